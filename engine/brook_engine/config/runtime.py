@@ -1,0 +1,85 @@
+"""Sections that tune how the engine runs: weights quantization, shape buckets, MoE routing
+and the scheduler."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from brook_engine.config.base import Section
+
+
+class QuantizationConfig(Section):
+    """Weight quantization."""
+
+    weights: Literal["none", "w8a16"] = "none"
+    """none: weights in the model dtype. w8a16: int8 weights with per-channel scales,
+    activations in the model dtype."""
+
+
+class ShapePattern(Section):
+    """A request shape the engine compiles for ahead of traffic."""
+
+    input_len: int = Field(ge=1, le=1_048_576)
+    """Prompt tokens."""
+
+    output_len: int = Field(ge=1, le=1_048_576)
+    """Generated tokens."""
+
+
+class ShapesConfig(Section):
+    """Shape buckets and the compiled-kernel cache."""
+
+    mode: Literal["eager", "compile"] = "eager"
+    """eager: run kernels as they come. compile: compile graphs per shape bucket (torch.compile
+    or NPU graphs) and reuse them."""
+
+    patterns: list[ShapePattern] = Field(default_factory=list, max_length=64)
+    """Registered (inputLen, outputLen) patterns; their buckets are compiled at start-up."""
+
+    kernel_cache_size: int = Field(default=32, ge=1, le=4096)
+    """Compiled graphs kept; the least recently used is dropped beyond this."""
+
+    online_learning: bool = False
+    """Add buckets for shapes seen in traffic that no registered pattern covers."""
+
+
+class MoEConfig(Section):
+    """Routing of mixture-of-experts models (ignored for dense models)."""
+
+    top_k: int | None = Field(default=None, ge=1, le=64)
+    """Experts per token; defaults to the model's own."""
+
+    load_threshold: float = Field(default=1.25, gt=1, le=100)
+    """An expert whose load exceeds this multiple of the mean is overloaded."""
+
+    reroute: bool = False
+    """Send tokens of overloaded experts to their next-best expert. Changes outputs
+    slightly, so it is off unless asked for."""
+
+
+class SchedulerConfig(Section):
+    """Continuous batching."""
+
+    max_num_seqs: int = Field(default=256, ge=1, le=65536)
+    """Sequences running at once."""
+
+    max_num_batched_tokens: int = Field(default=2048, ge=1, le=1_048_576)
+    """Tokens processed per step (the token budget shared by prefill and decode)."""
+
+    chunked_prefill: bool = True
+    """Split long prompts across steps so decodes keep flowing."""
+
+    max_waiting_requests: int = Field(default=1024, ge=0, le=1_048_576)
+    """Requests queued beyond the running ones; further requests are refused (HTTP 429)."""
+
+    @model_validator(mode="after")
+    def _budget_fits_batch(self) -> SchedulerConfig:
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"maxNumBatchedTokens ({self.max_num_batched_tokens}) is below maxNumSeqs "
+                f"({self.max_num_seqs}): a decode step needs one token per sequence; raise "
+                "maxNumBatchedTokens or lower maxNumSeqs"
+            )
+        return self

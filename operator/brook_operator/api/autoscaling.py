@@ -1,0 +1,76 @@
+"""The autoscaling section of the spec: bounds, targets and damping."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from brook_engine.config import Section
+
+
+class AutoscalingSpec(Section):
+    """Replica count from the engines' KV-cache usage, queue and communication overlap.
+    When set, spec.replicas must be unset: the count belongs to the autoscaler."""
+
+    min_replicas: int = Field(default=1, ge=1, le=1000)
+    """Fewest replicas."""
+
+    max_replicas: int = Field(ge=1, le=1000)
+    """Most replicas."""
+
+    target_kv_cache_usage: float = Field(default=0.75, gt=0, le=1)
+    """KV-cache usage (fraction of blocks held by live requests) to keep replicas at; above
+    it (beyond the tolerance) the autoscaler scales out."""
+
+    target_waiting_requests: float = Field(default=8, ge=0, le=100_000)
+    """Waiting requests per replica to keep at; a persistent queue above it scales out."""
+
+    min_overlap_ratio: float = Field(default=0.7, ge=0, le=1)
+    """Communication/compute overlap floor: replicas below it while their KV usage is low
+    are under-fed, and are consolidated (scale in)."""
+
+    tolerance: float = Field(default=0.1, ge=0, lt=1)
+    """Relative band around each target within which nothing changes."""
+
+    scale_up_stabilization_seconds: int = Field(default=0, ge=0, le=3600)
+    """Window over which scale-up takes the lowest recommendation."""
+
+    scale_down_stabilization_seconds: int = Field(default=300, ge=0, le=3600)
+    """Window over which scale-down takes the highest recommendation."""
+
+    max_scale_up_step: int = Field(default=4, ge=1, le=1000)
+    """Most replicas added in one decision."""
+
+    max_scale_down_step: int = Field(default=1, ge=1, le=1000)
+    """Most replicas removed in one decision."""
+
+    startup_grace_seconds: int = Field(default=600, ge=0, le=7200)
+    """Time a new replica has to become ready; it counts as capacity on the way and is not
+    scaled in for being idle."""
+
+    metrics_stale_after_seconds: int = Field(default=60, ge=5, le=3600)
+    """Metrics older than this are stale; stale or missing metrics hold the current size."""
+
+    fallback_replicas: int | None = Field(default=None, ge=1, le=1000)
+    """While metrics are stale, run at least this many replicas (never fewer than now)."""
+
+    interval_seconds: int = Field(default=15, ge=5, le=600)
+    """Time between decisions."""
+
+    mode: Literal["Active", "DryRun"] = "Active"
+    """Active applies decisions; DryRun only records them in status."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"minReplicas ({self.min_replicas}) exceeds maxReplicas ({self.max_replicas})"
+            )
+        fallback = self.fallback_replicas
+        if fallback is not None and not self.min_replicas <= fallback <= self.max_replicas:
+            raise ValueError(
+                f"fallbackReplicas ({fallback}) must lie between minReplicas "
+                f"({self.min_replicas}) and maxReplicas ({self.max_replicas})"
+            )
+        return self

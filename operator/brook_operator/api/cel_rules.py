@@ -1,0 +1,163 @@
+"""The CRD's CEL rules (``x-kubernetes-validations``), one list per model.
+
+Each rule is the API server's twin of a pydantic validator, so a manifest is refused the same
+way by ``kubectl apply`` and by ``brook validate`` (which evaluates these very rules). Rules
+run after defaulting, so fields with defaults are always present; optional fields are guarded
+with ``has()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import BaseModel
+
+from brook_engine.config import (
+    KVCacheConfig,
+    LayerPolicy,
+    OffloadConfig,
+    SchedulerConfig,
+)
+from brook_operator.api.autoscaling import AutoscalingSpec
+from brook_operator.api.kube import RolloutSpec
+from brook_operator.api.spec import LLMInferenceSpec
+
+
+@dataclass(frozen=True)
+class Rule:
+    rule: str
+    message: str
+    field_path: str | None = None
+
+    def to_schema(self) -> dict[str, str]:
+        out = {"rule": self.rule, "message": self.message}
+        if self.field_path:
+            out["fieldPath"] = self.field_path
+        return out
+
+
+_DEVICES = "self.parallel.tensor * self.parallel.pipeline"
+_RESOURCE = (
+    "(has(self.accelerator.resourceName) ? self.accelerator.resourceName : "
+    "self.accelerator.type == 'npu' ? 'huawei.com/Ascend910' : "
+    "self.accelerator.type == 'cuda' ? 'nvidia.com/gpu' : '')"
+)
+_PER_NODE = "self.accelerator.devicesPerNode"
+
+CEL_RULES: dict[type[BaseModel], list[Rule]] = {
+    LLMInferenceSpec: [
+        Rule(
+            "!(has(self.replicas) && has(self.autoscaling))",
+            "set replicas or autoscaling, not both: with autoscaling the replica count "
+            "belongs to the autoscaler (kubectl scale is refused; change "
+            "autoscaling.minReplicas/maxReplicas instead)",
+            ".replicas",
+        ),
+        Rule(
+            f"{_DEVICES} <= {_PER_NODE} || ({_DEVICES} % {_PER_NODE} == 0 && "
+            f"{_PER_NODE} % self.parallel.tensor == 0)",
+            "tensor × pipeline devices must fit one node (accelerator.devicesPerNode) or fill "
+            "whole nodes (a multiple of devicesPerNode, with tensor dividing devicesPerNode)",
+            ".parallel",
+        ),
+        Rule(
+            "!has(self.model.maxModelLen) || !has(self.kvCache.maxSeqLen) || "
+            "self.kvCache.maxSeqLen <= self.model.maxModelLen",
+            "must not exceed model.maxModelLen",
+            ".kvCache.maxSeqLen",
+        ),
+        Rule(
+            "!has(self.model.maxModelLen) || self.scheduler.chunkedPrefill || "
+            "self.scheduler.maxNumBatchedTokens >= self.model.maxModelLen",
+            "must be at least model.maxModelLen when chunkedPrefill is off; raise it or turn "
+            "chunkedPrefill on",
+            ".scheduler.maxNumBatchedTokens",
+        ),
+        Rule(
+            "!has(self.model.maxModelLen) || self.shapes.patterns.all(p, "
+            "p.inputLen + p.outputLen <= self.model.maxModelLen)",
+            "inputLen + outputLen must not exceed model.maxModelLen",
+            ".shapes.patterns",
+        ),
+        Rule(
+            "!has(self.scheduling.gang) || !has(self.scheduling.schedulerName) || "
+            "self.scheduling.schedulerName == 'volcano'",
+            "gang scheduling runs on the volcano scheduler; leave schedulerName unset or set "
+            "it to volcano",
+            ".scheduling.schedulerName",
+        ),
+        Rule(
+            f"!({_RESOURCE} in self.resources.requests) && !({_RESOURCE} in self.resources.limits)",
+            "must not list the accelerator resource; the operator requests it from parallel "
+            "and accelerator",
+            ".resources",
+        ),
+    ],
+    AutoscalingSpec: [
+        Rule(
+            "self.minReplicas <= self.maxReplicas",
+            "must not exceed maxReplicas",
+            ".minReplicas",
+        ),
+        Rule(
+            "!has(self.fallbackReplicas) || (self.fallbackReplicas >= self.minReplicas && "
+            "self.fallbackReplicas <= self.maxReplicas)",
+            "must lie between minReplicas and maxReplicas",
+            ".fallbackReplicas",
+        ),
+    ],
+    OffloadConfig: [
+        Rule(
+            "self.policy == 'none' || has(self.deviceMemoryLimitGb)",
+            "required when policy is static or adaptive: the GiB the weights may use",
+            ".deviceMemoryLimitGb",
+        ),
+        Rule(
+            "self.priorityLayers.all(k, self.priorityLayers.filter(j, j == k).size() == 1)",
+            "lists a kind twice; list each kind once",
+            ".priorityLayers",
+        ),
+    ],
+    KVCacheConfig: [
+        Rule(
+            "!(has(self.memoryFraction) && has(self.numBlocks))",
+            "set memoryFraction or numBlocks, not both",
+            ".numBlocks",
+        ),
+        Rule(
+            "self.layerPolicies.all(a, self.layerPolicies.filter(b, "
+            "a.start < b.end && b.start < a.end).size() == 1)",
+            "ranges overlap; make each layer fall in one range",
+            ".layerPolicies",
+        ),
+        Rule(
+            "!has(self.prefixSharing.minPrefixLen) || "
+            "self.prefixSharing.minPrefixLen % self.blockSize == 0",
+            "must be a multiple of kvCache.blockSize (only full blocks are shared)",
+            ".prefixSharing.minPrefixLen",
+        ),
+    ],
+    LayerPolicy: [
+        Rule("self.start < self.end", "must be below end; ranges are [start, end)", ".start"),
+    ],
+    SchedulerConfig: [
+        Rule(
+            "self.maxNumBatchedTokens >= self.maxNumSeqs",
+            "must be at least maxNumSeqs (a decode step needs one token per sequence)",
+            ".maxNumBatchedTokens",
+        ),
+    ],
+    RolloutSpec: [
+        Rule(
+            "!(string(self.maxSurge) in ['0', '0%'] && string(self.maxUnavailable) in ['0', '0%'])",
+            "maxSurge and maxUnavailable cannot both be 0",
+            ".maxSurge",
+        ),
+        Rule(
+            "string(self.maxSurge).matches('^[0-9]{1,3}%?$') && "
+            "string(self.maxUnavailable).matches('^[0-9]{1,3}%?$')",
+            "maxSurge and maxUnavailable take a count (1) or a percentage (25%)",
+            ".maxSurge",
+        ),
+    ],
+}

@@ -1,0 +1,222 @@
+"""``LLMInference.spec``: the engine's own configuration sections, plus what Kubernetes needs
+to run them (image, replicas or autoscaling, accelerator, scheduling, rollout)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, ValidationError, model_validator
+
+from brook_engine.config import (
+    MODEL_URI_SCHEMES,
+    ApiKeyConfig,
+    EngineConfig,
+    KVCacheConfig,
+    ModelConfig,
+    MoEConfig,
+    OffloadConfig,
+    ParallelConfig,
+    QuantizationConfig,
+    SchedulerConfig,
+    Section,
+    ServerConfig,
+    ServerOptions,
+    ShapesConfig,
+)
+from brook_operator.api.autoscaling import AutoscalingSpec
+from brook_operator.api.kube import ResourcesSpec, RolloutSpec, SchedulingSpec, SecretKeyRef
+
+#: Where the operator mounts the API key Secret in the engine container.
+API_KEY_PATH = "/var/run/secrets/brook/api-key"
+
+MODEL_URI_PATTERN = rf"^({'|'.join(MODEL_URI_SCHEMES)})://.+$"
+
+#: The accelerator resource each device type requests unless spec.accelerator says otherwise.
+DEFAULT_RESOURCE_NAMES = {"npu": "huawei.com/Ascend910", "cuda": "nvidia.com/gpu", "cpu": None}
+
+
+class ModelSpec(ModelConfig):
+    """The model: its source, and how the engine loads it."""
+
+    uri: str = Field(min_length=1, max_length=1024, pattern=MODEL_URI_PATTERN)
+    """Where the model comes from: pvc://CLAIM/PATH (a PersistentVolumeClaim), hf://ORG/NAME
+    (Hugging Face Hub, with revision), s3://BUCKET/PREFIX, oci://REGISTRY/REPO:TAG (an OCI
+    artifact), or file://PATH (a folder inside the image)."""
+
+    credentials_secret_ref: SecretKeyRef | None = None
+    """Secret key holding the token for hf://, s3:// or oci:// (never logged)."""
+
+
+class ServerSpec(ServerOptions):
+    """The engine's HTTP server inside the pod (it listens on all interfaces)."""
+
+    api_key_secret_ref: SecretKeyRef | None = None
+    """Secret key holding the API key clients must send as a bearer token; no key when
+    unset."""
+
+
+class HcclSpec(Section):
+    """Settings of Huawei's collective library between NPUs (ignored on other devices)."""
+
+    socket_ifname: str | None = Field(default=None, max_length=64)
+    """Network interface HCCL uses between pods (HCCL_SOCKET_IFNAME); the pod's default
+    interface when unset."""
+
+    connect_timeout_seconds: int = Field(default=120, ge=1, le=7200)
+    """HCCL_CONNECT_TIMEOUT: how long ranks wait for one another at start-up."""
+
+    buffer_size_mb: int = Field(default=200, ge=1, le=65536)
+    """HCCL_BUFFSIZE: communication buffer per rank, in MB."""
+
+
+class AcceleratorSpec(Section):
+    """The devices each replica runs on."""
+
+    type: Literal["npu", "cuda", "cpu"] = "npu"
+    """npu (Ascend through torch-npu), cuda (NVIDIA) or cpu."""
+
+    resource_name: str | None = Field(
+        default=None, max_length=253, pattern=r"^([a-z0-9.-]+/)?[A-Za-z0-9._-]+$"
+    )
+    """Extended resource requested per device; huawei.com/Ascend910 for npu and
+    nvidia.com/gpu for cuda when unset."""
+
+    devices_per_node: int = Field(default=8, ge=1, le=64)
+    """Devices on one node: a replica needing more spans several pods (LeaderWorkerSet)."""
+
+    hccl: HcclSpec = Field(default_factory=HcclSpec)
+    """HCCL settings for NPU replicas."""
+
+    @property
+    def effective_resource_name(self) -> str | None:
+        if self.resource_name is not None:
+            return self.resource_name
+        return DEFAULT_RESOURCE_NAMES[self.type]
+
+
+class LLMInferenceSpec(Section):
+    """Desired state of an LLMInference: a model served by replicas of the Brook engine."""
+
+    model: ModelSpec
+    """The model to serve."""
+
+    image: str | None = Field(default=None, min_length=1, max_length=1024)
+    """Engine container image; the operator's default image when unset."""
+
+    replicas: int | None = Field(default=None, ge=0, le=1000)
+    """Fixed number of replicas (1 when neither this nor autoscaling is set)."""
+
+    autoscaling: AutoscalingSpec | None = None
+    """Size the replica count from the engines' metrics instead of spec.replicas."""
+
+    suspend: bool = False
+    """Scale every replica to zero, keeping the resource."""
+
+    accelerator: AcceleratorSpec = Field(default_factory=AcceleratorSpec)
+    """The devices each replica runs on."""
+
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    """Tensor and pipeline parallelism of one replica."""
+
+    offload: OffloadConfig = Field(default_factory=OffloadConfig)
+    """Weight offload to host memory."""
+
+    kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig)
+    """The paged KV cache."""
+
+    quantization: QuantizationConfig = Field(default_factory=QuantizationConfig)
+    """Weight quantization."""
+
+    shapes: ShapesConfig = Field(default_factory=ShapesConfig)
+    """Shape buckets and compiled kernels."""
+
+    moe: MoEConfig = Field(default_factory=MoEConfig)
+    """Mixture-of-experts routing."""
+
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    """Continuous batching."""
+
+    server: ServerSpec = Field(default_factory=ServerSpec)
+    """The engine's HTTP server."""
+
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    """CPU and memory of the engine container."""
+
+    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
+    """Node selection, tolerations and gang scheduling."""
+
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    """How spec changes roll out."""
+
+    @model_validator(mode="after")
+    def _kubernetes_rules(self) -> LLMInferenceSpec:
+        problems = spec_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
+        try:
+            to_engine_config(self)  # the engine's own cross-section rules
+        except ValidationError as exc:
+            raise ValueError(
+                "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
+            ) from None
+        return self
+
+
+def spec_problems(spec: LLMInferenceSpec) -> list[str]:
+    """The spec's cross-field rules (the CRD's CEL rules say the same to the API server)."""
+    problems: list[str] = []
+    if spec.replicas is not None and spec.autoscaling is not None:
+        problems.append(
+            "replicas: set replicas or autoscaling, not both; with autoscaling the replica "
+            "count belongs to the autoscaler (change autoscaling.minReplicas/maxReplicas)"
+        )
+    devices = spec.parallel.world_size
+    per_node = spec.accelerator.devices_per_node
+    if devices > per_node and (devices % per_node or per_node % spec.parallel.tensor):
+        problems.append(
+            f"parallel: tensor × pipeline = {devices} devices neither fits one node "
+            f"(accelerator.devicesPerNode = {per_node}) nor fills whole nodes; use a multiple "
+            f"of {per_node} devices with tensor dividing {per_node}"
+        )
+    if spec.scheduling.gang is not None and spec.scheduling.scheduler_name not in (None, "volcano"):
+        problems.append(
+            "scheduling.schedulerName: gang scheduling runs on the volcano scheduler; leave "
+            "schedulerName unset or set it to volcano"
+        )
+    rollout = spec.rollout
+    if str(rollout.max_surge) in ("0", "0%") and str(rollout.max_unavailable) in ("0", "0%"):
+        problems.append("rollout: maxSurge and maxUnavailable cannot both be 0")
+    if spec.accelerator.effective_resource_name is not None:
+        for kind in ("requests", "limits"):
+            if spec.accelerator.effective_resource_name in getattr(spec.resources, kind):
+                problems.append(
+                    f"resources.{kind}: remove {spec.accelerator.effective_resource_name}; "
+                    "the operator requests it from parallel and accelerator"
+                )
+    return problems
+
+
+def to_engine_config(spec: LLMInferenceSpec) -> EngineConfig:
+    """The ``EngineConfig`` an engine pod of this spec runs with: the spec's engine sections
+    as they are, the device from the accelerator, and what only exists inside the pod (all
+    interfaces, the mounted API key)."""
+    model = ModelConfig.model_validate(
+        spec.model.model_dump(exclude={"credentials_secret_ref"}, by_alias=False)
+    )
+    server = ServerConfig(
+        **spec.server.model_dump(exclude={"api_key_secret_ref"}, by_alias=False),
+        host="0.0.0.0",
+        api_key=ApiKeyConfig(file=API_KEY_PATH) if spec.server.api_key_secret_ref else None,
+    )
+    return EngineConfig(
+        model=model,
+        device=spec.accelerator.type,
+        parallel=spec.parallel,
+        offload=spec.offload,
+        kv_cache=spec.kv_cache,
+        quantization=spec.quantization,
+        shapes=spec.shapes,
+        moe=spec.moe,
+        scheduler=spec.scheduler,
+        server=server,
+    )
