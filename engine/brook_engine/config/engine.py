@@ -147,7 +147,7 @@ def parse_engine_config(data: Mapping[str, Any], source: str = "engine config") 
         return EngineConfig.model_validate(data)
     except ValidationError as exc:
         lines = describe_errors(EngineConfig, exc)
-        raise ConfigError(f"{source} is invalid:\n  " + "\n  ".join(lines)) from None
+        raise ConfigError(f"invalid {source}:\n  " + "\n  ".join(lines)) from None
 
 
 def load_engine_config(path: str | Path) -> EngineConfig:

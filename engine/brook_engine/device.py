@@ -1,0 +1,92 @@
+"""The compute backend: NPU (torch-npu, HCCL), CUDA (NCCL) or CPU (gloo).
+
+torch_npu is imported only when the NPU is asked for (or probed by ``auto``): importing it
+without Ascend's CANN toolkit fails, and it must never be a CPU install's dependency. Every
+code path above this module is device-neutral, so the CPU runs the same code as the NPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+from brook_engine.config import ConfigError, DeviceKind
+
+
+class DeviceError(RuntimeError):
+    """The requested device is not present or its runtime fails to load."""
+
+
+@dataclass(frozen=True)
+class Backend:
+    kind: str  # "npu" | "cuda" | "cpu"
+    device: torch.device
+    dist_backend: str  # torch.distributed backend of this device
+
+    def synchronize(self) -> None:
+        if self.kind == "cuda":
+            torch.cuda.synchronize(self.device)
+        elif self.kind == "npu":
+            torch.npu.synchronize(self.device)  # type: ignore[attr-defined]
+
+    def default_dtype(self) -> torch.dtype:
+        # AVX2 CPUs have no native bfloat16 arithmetic; accelerators prefer it.
+        return torch.float32 if self.kind == "cpu" else torch.bfloat16
+
+    def memory(self) -> tuple[int, int]:
+        """(free, total) bytes of the device memory the KV cache can come from."""
+        if self.kind == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            return int(free), int(total)
+        if self.kind == "npu":
+            free, total = torch.npu.mem_get_info(self.device)  # type: ignore[attr-defined]
+            return int(free), int(total)
+        return _host_memory()
+
+
+def _host_memory() -> tuple[int, int]:
+    fields: dict[str, int] = {}
+    with open("/proc/meminfo", encoding="ascii") as f:
+        for line in f:
+            name, value = line.split(":", 1)
+            fields[name] = int(value.split()[0]) * 1024
+    return fields.get("MemAvailable", fields.get("MemFree", 0)), fields.get("MemTotal", 0)
+
+
+def _npu_available() -> bool:
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    try:
+        importlib.import_module("torch_npu")
+    except Exception as exc:  # a broken CANN install raises all sorts
+        raise DeviceError(f"torch_npu is installed but fails to load: {exc}") from exc
+    return bool(torch.npu.is_available())  # type: ignore[attr-defined]
+
+
+def resolve_backend(kind: DeviceKind, local_rank: int = 0) -> Backend:
+    """The backend for ``kind``; ``auto`` takes NPU, then CUDA, then CPU."""
+    if kind == "auto":
+        if os.environ.get("BROOK_PROBE_NPU", "1") != "0" and importlib.util.find_spec("torch_npu"):
+            kind = "npu"
+        elif torch.cuda.is_available():
+            kind = "cuda"
+        else:
+            kind = "cpu"
+    if kind == "cpu":
+        return Backend("cpu", torch.device("cpu"), "gloo")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceError("device: cuda was asked for but no CUDA device is visible")
+        return Backend("cuda", torch.device("cuda", local_rank), "nccl")
+    if kind == "npu":
+        if not _npu_available():
+            raise DeviceError(
+                "device: npu was asked for but torch_npu is not installed or sees no NPU; "
+                "install brook[npu] with Ascend's CANN toolkit"
+            )
+        return Backend("npu", torch.device("npu", local_rank), "hccl")
+    raise ConfigError(f"device: unknown kind {kind!r}")

@@ -1,0 +1,110 @@
+"""The KV-cache tensors: one pair per layer, each stored in the dtype its layer policy names.
+
+Slots are flat (``block * block_size + offset``); the block manager hands out blocks, the
+runner turns block tables into slot indexes. FP8 E4M3 keeps a float32 scale per token and KV
+head (amax / 448), so a value never saturates; FP8 E5M2 has the range to go without one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from brook_engine.config import KVDType
+
+_FP8_E4M3_MAX = 448.0
+_STORAGE = {
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp8_e5m2": torch.float8_e5m2,
+    "fp8_e4m3": torch.float8_e4m3fn,
+}
+
+
+def storage_dtype(kind: KVDType, compute_dtype: torch.dtype) -> torch.dtype:
+    return compute_dtype if kind == "auto" else _STORAGE[kind]
+
+
+def bytes_per_token(kind: KVDType, compute_dtype: torch.dtype, kv_heads: int, head_dim: int) -> int:
+    """KV bytes one token takes in one layer (keys and values, scales included)."""
+    element = storage_dtype(kind, compute_dtype).itemsize
+    scales = 4 * kv_heads if kind == "fp8_e4m3" else 0
+    return 2 * (kv_heads * head_dim * element + scales)
+
+
+@dataclass
+class LayerKVCache:
+    k: torch.Tensor  # [slots, kv_heads, head_dim]
+    v: torch.Tensor
+    kind: KVDType
+    compute_dtype: torch.dtype
+    k_scale: torch.Tensor | None = None  # [slots, kv_heads, 1], FP8 E4M3 only
+    v_scale: torch.Tensor | None = None
+
+    @classmethod
+    def allocate(
+        cls,
+        num_slots: int,
+        kv_heads: int,
+        head_dim: int,
+        kind: KVDType,
+        compute_dtype: torch.dtype,
+        device: torch.device,
+    ) -> LayerKVCache:
+        dtype = storage_dtype(kind, compute_dtype)
+        shape = (num_slots, kv_heads, head_dim)
+        cache = cls(
+            k=torch.zeros(shape, dtype=dtype, device=device),
+            v=torch.zeros(shape, dtype=dtype, device=device),
+            kind=kind,
+            compute_dtype=compute_dtype,
+        )
+        if kind == "fp8_e4m3":
+            cache.k_scale = torch.ones((num_slots, kv_heads, 1), dtype=torch.float32, device=device)
+            cache.v_scale = torch.ones((num_slots, kv_heads, 1), dtype=torch.float32, device=device)
+        return cache
+
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [tokens, kv_heads, head_dim] at ``slots`` [tokens]."""
+        if self.k_scale is not None and self.v_scale is not None:
+            k, k_scale = _quantize_e4m3(k)
+            v, v_scale = _quantize_e4m3(v)
+            self.k_scale.index_copy_(0, slots, k_scale)
+            self.v_scale.index_copy_(0, slots, v_scale)
+        _store(self.k, slots, k)
+        _store(self.v, slots, v)
+
+    def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at ``slots`` (any shape S) as [*S, kv_heads, head_dim] in the
+        compute dtype."""
+        k = _load(self.k, slots).to(self.compute_dtype)
+        v = _load(self.v, slots).to(self.compute_dtype)
+        if self.k_scale is not None and self.v_scale is not None:
+            k = k * self.k_scale[slots].to(self.compute_dtype)
+            v = v * self.v_scale[slots].to(self.compute_dtype)
+        return k, v
+
+
+def _is_fp8(t: torch.Tensor) -> bool:
+    return t.dtype in (torch.float8_e5m2, torch.float8_e4m3fn)
+
+
+def _store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    # CPU kernels do not index float8 tensors: move their bytes as uint8.
+    if _is_fp8(cache):
+        cache.view(torch.uint8).index_copy_(0, slots, x.to(cache.dtype).view(torch.uint8))
+    else:
+        cache.index_copy_(0, slots, x.to(cache.dtype))
+
+
+def _load(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    if _is_fp8(cache):
+        return cache.view(torch.uint8)[slots].view(cache.dtype)
+    return cache[slots]
+
+
+def _quantize_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x32 = x.float()
+    scale = (x32.abs().amax(dim=-1, keepdim=True) / _FP8_E4M3_MAX).clamp_min(1e-12)
+    return (x32 / scale).to(torch.float8_e4m3fn), scale

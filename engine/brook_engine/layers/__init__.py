@@ -1,0 +1,1 @@
+"""The building blocks of a decoder: norm, rotary embedding, paged attention, MLP, sampler."""

@@ -1,0 +1,234 @@
+"""The engine loop: requests in, one scheduled batch per step, tokens and text out.
+
+Used by the offline ``LLM`` API and the HTTP server alike; not thread-safe (one caller drives
+``step()``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from brook_engine.block_manager import BlockManager
+from brook_engine.config import ConfigError, EngineConfig, ModelConfig, split_model_uri
+from brook_engine.device import resolve_backend
+from brook_engine.model_runner import ModelRunner
+from brook_engine.models.arch import ModelArch
+from brook_engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from brook_engine.sampling_params import SamplingParams
+from brook_engine.scheduler import Scheduler
+from brook_engine.sequence import FinishReason, Sequence
+from brook_engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take; the message says which field and why."""
+
+
+def resolve_model_folder(model: ModelConfig) -> Path:
+    """The local folder of ``model.uri``. Remote sources are fetched before the engine
+    starts (in Kubernetes by the pod's init container)."""
+    scheme, rest = split_model_uri(model.uri)
+    if scheme != "file":
+        raise ConfigError(
+            f"model.uri {model.uri!r} is remote; fetch it into a local folder first (the "
+            "operator's init container does this in a pod) and pass the folder's path"
+        )
+    folder = Path(rest).expanduser()
+    if not folder.is_dir():
+        raise ConfigError(f"model.uri: {folder} is not a folder holding a Hugging Face model")
+    return folder
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer
+    emitted: int = 0  # characters of text already returned as deltas
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, progress: bool = True) -> None:
+        self.config = config
+        folder = resolve_model_folder(config.model)
+        self.arch = ModelArch.from_folder(folder)
+        config.check_against_model(self.arch.facts)
+        self.backend = resolve_backend(config.device)
+        tokenizer_folder = Path(config.model.tokenizer) if config.model.tokenizer else folder
+        self.tokenizer = Tokenizer(tokenizer_folder)
+        self.served_name = config.model.served_name or folder.name
+        self.runner = ModelRunner(config, folder, self.arch, self.backend, progress)
+        self.max_model_len = self.runner.max_model_len
+        self.block_manager = BlockManager(self.runner.num_blocks, config.kv_cache.block_size)
+        needed = self.block_manager.blocks_needed(self.max_model_len)
+        if self.runner.num_blocks < needed:
+            raise ConfigError(
+                f"kvCache holds {self.runner.num_blocks} blocks but one {self.max_model_len}-"
+                f"token sequence needs {needed}; raise kvCache.numBlocks or memoryFraction, or "
+                "lower model.maxModelLen"
+            )
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.eos_token_ids = self._eos_ids(folder)
+        self._requests: dict[str, _Request] = {}
+        self.num_prompt_tokens_total = 0
+        self.num_generation_tokens_total = 0
+        log.info(
+            "engine ready: %s on %s (%s), %d KV blocks of %d tokens, weights loaded in %.1f s",
+            self.served_name,
+            self.backend.kind,
+            self.runner.dtype,
+            self.runner.num_blocks,
+            config.kv_cache.block_size,
+            self.runner.load_seconds,
+        )
+
+    def _eos_ids(self, folder: Path) -> frozenset[int]:
+        ids = set(self.arch.eos_token_ids)
+        generation = folder / "generation_config.json"
+        if generation.exists():
+            eos = json.loads(generation.read_text("utf-8")).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        token = self.tokenizer.token_id(self.tokenizer.eos_token)
+        if token is not None:
+            ids.add(token)
+        return frozenset(ids)
+
+    # -- requests ------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        if request_id in self._requests:
+            raise RequestError(f"request id {request_id!r} is already running")
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise RequestError("prompt is empty; send at least one token")
+        vocab = self.arch.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise RequestError(
+                f"prompt has {len(ids)} tokens but the model length is {self.max_model_len}, "
+                "leaving no room to generate; shorten the prompt"
+            )
+        seq = Sequence(request_id, ids, len(ids), params)
+        self.scheduler.add(seq)
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        self._requests[request_id] = _Request(seq, text, detok)
+        self.num_prompt_tokens_total += len(ids)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Cancel a request and free every block it holds; False if it is not running."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.finish(request.seq, FinishReason.ABORT)
+        self.runner.release(request_id)
+        return True
+
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Float32 logits [tokens, vocab] of every position of ``token_ids``, computed through
+        the paged cache as a prefill (for tests and calibration; needs free blocks)."""
+        seq = Sequence("logits-probe", list(token_ids), len(token_ids), SamplingParams())
+        self.block_manager.grow(seq.block_table, len(token_ids))
+        try:
+            return self.runner.all_logits(seq)
+        finally:
+            self.block_manager.release(seq.block_table)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; returns an output for every request that gained text or ended."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        results = self.runner.execute(batch)
+        outputs: list[RequestOutput] = []
+        now = time.monotonic()
+        for seq, num_new, result in zip(batch.seqs, batch.num_new_tokens, results, strict=True):
+            seq.num_computed_tokens += num_new
+            if result is None:
+                continue
+            token = result.token_ids[0]
+            seq.token_ids.append(token)
+            self.num_generation_tokens_total += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if seq.params.logprobs is not None and result.logprobs[0] is not None:
+                seq.logprobs.append(result.logprobs[0])
+            request = self._requests[seq.request_id]
+            request.detokenizer.add(token)
+            self._check_stop(request, token)
+            outputs.append(self._output(request, now))
+        return outputs
+
+    def _check_stop(self, request: _Request, token: int) -> None:
+        seq, params = request.seq, request.seq.params
+        reason: FinishReason | None = None
+        if seq.num_output_tokens >= params.min_tokens:
+            if token in self.eos_token_ids and not params.ignore_eos:
+                reason = FinishReason.STOP
+            elif token in params.stop_token_ids:
+                reason, seq.stop_reason = FinishReason.STOP, token
+        if reason is None and params.stop:
+            text = request.detokenizer.text
+            window = text[-(max(map(len, params.stop)) + 64) :]
+            for stop in params.stop:
+                at = window.find(stop)
+                if at >= 0:
+                    cut = len(text) - len(window) + at
+                    request.detokenizer.text = text[:cut]
+                    reason, seq.stop_reason = FinishReason.STOP, stop
+                    break
+        if reason is None and (
+            seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len
+        ):
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            self.runner.release(seq.request_id)
+
+    def _output(self, request: _Request, now: float) -> RequestOutput:
+        seq = request.seq
+        finished = seq.is_finished
+        text = request.detokenizer.text
+        # Hold back what could be the start of a stop string until it is settled.
+        hold = 0 if finished or not seq.params.stop else max(map(len, seq.params.stop)) - 1
+        upto = max(request.emitted, len(text) - hold)
+        delta, request.emitted = text[request.emitted : upto], upto
+        if finished:
+            del self._requests[seq.request_id]
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=seq.output_token_ids,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            stop_reason=seq.stop_reason,
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+        )
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            outputs=[completion],
+            finished=finished,
+            metrics=RequestMetrics(
+                arrival_time=seq.arrival_time,
+                first_token_time=seq.first_token_time,
+                finished_time=now if finished else None,
+                num_preemptions=seq.num_preemptions,
+            ),
+            delta_text=delta,
+        )

@@ -1,0 +1,1 @@
+"""Decoder models and their loading from Hugging Face folders."""

@@ -1,0 +1,73 @@
+"""How one request samples its tokens, validated with messages that name the field."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from brook_engine.config.errors import describe_errors
+
+
+class SamplingError(ValueError):
+    """Sampling parameters that cannot be honoured; the message names the field."""
+
+
+class SamplingParams(BaseModel):
+    """Sampling parameters, named as in vLLM and the OpenAI API."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_tokens: int = Field(default=16, ge=1, le=1_048_576)
+    """Most tokens to generate."""
+
+    min_tokens: int = Field(default=0, ge=0, le=1_048_576)
+    """Tokens generated before EOS or stop token ids may end the request."""
+
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    """0 is greedy."""
+
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus sampling: the smallest set of tokens whose probability reaches top_p."""
+
+    top_k: int = Field(default=0, ge=0, le=1_000_000)
+    """Sample among the k likeliest tokens; 0 disables."""
+
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    """Seed of this request's random generator: the same seed gives the same tokens,
+    whatever else is in the batch."""
+
+    stop: tuple[str, ...] = Field(default=(), max_length=16)
+    """Strings that end the request; they are not part of the returned text."""
+
+    stop_token_ids: tuple[int, ...] = Field(default=(), max_length=64)
+    """Token ids that end the request (besides EOS)."""
+
+    ignore_eos: bool = False
+    """Keep generating past EOS (benchmarks)."""
+
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    """Return the log-probability of each sampled token and of this many top alternatives."""
+
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the returned text."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SamplingParams:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})"
+            )
+        if any(not s for s in self.stop):
+            raise ValueError("stop holds an empty string; remove it")
+        return self
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> SamplingParams:
+        """Build from user input; ``SamplingError`` names every bad or unknown field."""
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise SamplingError("; ".join(describe_errors(cls, exc))) from None

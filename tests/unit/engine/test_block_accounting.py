@@ -1,0 +1,121 @@
+"""Block accounting under random load: thousands of requests of random lengths, random
+cancellations, and a cache small enough that preemption happens all the time. The scheduler
+and block manager are torch-free, so the "model" here appends a token per finished step;
+a second test runs the real engine with random aborts."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from brook_engine.block_manager import BlockManager
+from brook_engine.config import SchedulerConfig
+from brook_engine.sampling_params import SamplingParams
+from brook_engine.scheduler import Scheduler
+from brook_engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+def _simulate(seed: int, num_requests: int, num_blocks: int, chunked: bool) -> Scheduler:
+    rng = random.Random(seed)
+    blocks = BlockManager(num_blocks=num_blocks, block_size=4)
+    config = SchedulerConfig(
+        max_num_seqs=rng.randint(1, 16),
+        # Without chunking a whole (recomputed) sequence must fit one step, as the engine's
+        # config check guarantees (maxNumBatchedTokens >= model length).
+        max_num_batched_tokens=rng.randint(24, 64) if chunked else 64,
+        chunked_prefill=chunked,
+        max_waiting_requests=num_requests,
+    )
+    scheduler = Scheduler(config, blocks)
+    # Every request must fit the cache alone (the engine checks this at start-up).
+    longest = min(num_blocks * 4, 64)
+    live: list[Sequence] = []
+    for i in range(num_requests):
+        prompt = rng.randint(1, min(40, longest // 2))
+        params = SamplingParams(max_tokens=rng.randint(1, min(24, longest - prompt)))
+        seq = Sequence(f"r{i}", [1] * prompt, prompt, params)
+        scheduler.add(seq)
+        live.append(seq)
+        # Interleave arrivals with steps, like a server.
+        for _ in range(rng.randint(0, 2)):
+            _step(scheduler, rng, live)
+    while scheduler.has_unfinished():
+        _step(scheduler, rng, live)
+    return scheduler
+
+
+def _step(scheduler: Scheduler, rng: random.Random, live: list[Sequence]) -> None:
+    batch = scheduler.schedule()
+    scheduler.block_manager.check_invariants()
+    for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        assert len(seq.block_table) * 4 >= seq.num_computed_tokens + n
+        seq.num_computed_tokens += n
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.token_ids.append(2)
+            if seq.num_output_tokens >= seq.params.max_tokens:
+                scheduler.finish(seq, FinishReason.LENGTH)
+    # Cancel a random live request now and then, whatever state it is in.
+    unfinished = [s for s in live if s.status is not SequenceStatus.FINISHED]
+    if unfinished and rng.random() < 0.1:
+        scheduler.finish(rng.choice(unfinished), FinishReason.ABORT)
+    if not batch.seqs and scheduler.has_unfinished():
+        raise AssertionError("scheduler made no progress with requests pending")
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    num_blocks=st.integers(16, 48),
+    chunked=st.booleans(),
+)
+def test_every_block_is_free_after_random_load(seed: int, num_blocks: int, chunked: bool) -> None:
+    scheduler = _simulate(seed, num_requests=100, num_blocks=num_blocks, chunked=chunked)
+    scheduler.block_manager.check_invariants()
+    assert scheduler.block_manager.num_free_blocks == num_blocks
+    assert not scheduler.running and not scheduler.waiting
+
+
+def test_thousands_of_requests_preempt_and_end_clean() -> None:
+    scheduler = _simulate(seed=7, num_requests=3000, num_blocks=20, chunked=True)
+    assert scheduler.num_preemptions_total > 100
+    assert scheduler.block_manager.num_free_blocks == 20
+
+
+def test_real_engine_with_random_aborts(make_tiny_model: Callable[..., Path]) -> None:
+    from brook_engine import LLM
+
+    llm = LLM(
+        str(make_tiny_model("llama")),
+        dtype="float32",
+        kv_cache={"num_blocks": 12, "block_size": 8},
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+        max_model_len=64,
+        progress=False,
+    )
+    engine = llm.engine
+    rng = random.Random(3)
+    ids = 0
+    for _ in range(150):
+        if rng.random() < 0.5:
+            prompt = [rng.randrange(3, 300) for _ in range(rng.randint(1, 30))]
+            params = SamplingParams(
+                temperature=rng.choice([0.0, 0.8]),
+                max_tokens=rng.randint(1, 30),
+                seed=rng.randint(0, 9),
+            )
+            engine.add_request(f"q{ids}", prompt, params)
+            ids += 1
+        if rng.random() < 0.15 and ids:
+            engine.abort_request(f"q{rng.randrange(ids)}")
+        engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.block_manager.check_invariants()
+    assert engine.block_manager.num_free_blocks == 12
+    assert engine.scheduler.num_preemptions_total > 0
+    assert not engine.runner.generators
