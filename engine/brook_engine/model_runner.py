@@ -63,7 +63,8 @@ class ModelRunner:
         self.num_blocks = self._num_blocks()
         self.caches = [
             LayerKVCache.allocate(
-                self.num_blocks * self.block_size,
+                self.num_blocks,
+                self.block_size,
                 arch.num_kv_heads,
                 arch.head_dim,
                 kind,
@@ -88,8 +89,8 @@ class ModelRunner:
         if kv.num_blocks is not None:
             return kv.num_blocks
         fraction = kv.effective_memory_fraction or 0.9
-        free, _ = self.backend.memory()
-        budget_blocks = int(free * fraction) // (self.kv_bytes_per_token * self.block_size)
+        budget = self.backend.kv_cache_budget()
+        budget_blocks = int(budget * fraction) // (self.kv_bytes_per_token * self.block_size)
         # No point holding more than every sequence slot at full length needs.
         enough = self.config.scheduler.max_num_seqs * blocks_per_seq
         return max(1, min(budget_blocks, enough))
@@ -203,14 +204,12 @@ class ModelRunner:
         padded = torch.tensor(
             [t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=self.device
         )
-        offsets = torch.arange(size, device=self.device)
-        slots = (padded[:, :, None] * size + offsets).view(len(tables), -1)
-        context = max(lens)
         lengths = torch.tensor(lens, device=self.device)[:, None]
-        keys = torch.arange(context, device=self.device)[None, :]
+        keys = torch.arange(width * size, device=self.device)[None, :]
         mask = keys < lengths
         if window is not None:
             mask &= keys >= lengths - window
         meta.num_decodes = len(tables)
-        meta.decode_slots = slots[:, :context]
-        meta.decode_mask = mask[:, None, None, :]
+        meta.decode_blocks = padded
+        bias = torch.zeros(mask.shape, dtype=torch.float32, device=self.device)
+        meta.decode_bias = bias.masked_fill_(~mask, float("-inf"))[:, None, None, :]

@@ -43,8 +43,8 @@ class ModelConfig(Section):
     name."""
 
     dtype: ModelDType = "auto"
-    """Compute dtype of weights and activations. auto: bfloat16 on NPU and CUDA, float32 on
-    CPU."""
+    """Compute dtype of weights and activations. auto: bfloat16 on NPU, CUDA and CPUs with
+    native bfloat16 (AVX512-BF16, AMX), float32 on other CPUs."""
 
     max_model_len: int | None = Field(default=None, ge=1, le=1_048_576)
     """Longest sequence (prompt + output) accepted, in tokens; defaults to the model's

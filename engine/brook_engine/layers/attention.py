@@ -30,8 +30,8 @@ class PrefillSpan:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [tokens] slot each new token's KV is written to
     num_decodes: int = 0
-    decode_slots: torch.Tensor | None = None  # [decodes, max_context] (padding repeats slot 0)
-    decode_mask: torch.Tensor | None = None  # [decodes, 1, 1, max_context] bool
+    decode_blocks: torch.Tensor | None = None  # [decodes, max_blocks] (padded with block 0)
+    decode_bias: torch.Tensor | None = None  # [decodes, 1, 1, max_context]: 0 or -inf
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -47,28 +47,21 @@ def paged_attention(
     out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
     if meta.num_decodes:
-        assert meta.decode_slots is not None and meta.decode_mask is not None
+        assert meta.decode_blocks is not None and meta.decode_bias is not None
         n = meta.num_decodes
-        ck, cv = cache.read(meta.decode_slots)  # [decodes, context, kv_heads, head_dim]
-        out[:n] = F.scaled_dot_product_attention(
-            q[:n].unsqueeze(2),  # [decodes, heads, 1, head_dim]
-            ck.transpose(1, 2),
-            cv.transpose(1, 2),
-            attn_mask=meta.decode_mask,
-            scale=scale,
-            enable_gqa=gqa,
-        ).squeeze(2)
+        ck, cv = cache.read_blocks(meta.decode_blocks)  # [kv_heads, decodes, ctx, head_dim]
+        out[:n] = _decode_attention(q[:n], ck, cv, meta.decode_bias, scale)
     for span in meta.prefills:
         rows = slice(span.start, span.start + span.num_tokens)
         if span.slots is None:
-            ck, cv = k[rows], v[rows]
+            ck, cv = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
         else:
-            ck, cv = cache.read(span.slots)
+            ck, cv = cache.read(span.slots)  # [kv_heads, context, head_dim]
         out[rows] = (
             F.scaled_dot_product_attention(
                 q[rows].transpose(0, 1).unsqueeze(0),  # [1, heads, new, head_dim]
-                ck.transpose(0, 1).unsqueeze(0),
-                cv.transpose(0, 1).unsqueeze(0),
+                ck.unsqueeze(0),
+                cv.unsqueeze(0),
                 attn_mask=span.mask,
                 is_causal=span.mask is None,
                 scale=scale,
@@ -78,3 +71,24 @@ def paged_attention(
             .transpose(0, 1)
         )
     return out
+
+
+def _decode_attention(
+    q: torch.Tensor,  # [decodes, heads, head_dim]
+    k: torch.Tensor,  # [kv_heads, decodes, context, head_dim]
+    v: torch.Tensor,
+    bias: torch.Tensor,  # [decodes, 1, 1, context]
+    scale: float,
+) -> torch.Tensor:
+    """One query per sequence: two batched matmuls over (KV head, sequence) with the query
+    heads of a group stacked, so keys are neither repeated nor copied (the fused CPU kernel
+    is slow for single-query GQA)."""
+    decodes, heads, dim = q.shape
+    kv_heads, _, context, _ = k.shape
+    group = heads // kv_heads
+    grouped = q.view(decodes, kv_heads, group, dim).transpose(0, 1)  # [kv, decodes, group, dim]
+    scores = torch.matmul(grouped, k.transpose(2, 3)).float() * scale
+    scores = scores + bias.view(1, decodes, 1, context)
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)  # [kv, decodes, group, context]
+    out = torch.matmul(probs, v)  # [kv, decodes, group, dim]
+    return out.transpose(0, 1).reshape(decodes, heads, dim)

@@ -96,14 +96,14 @@ class RotaryEmbedding:
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = (emb.cos() * factor).to(dtype=dtype, device=device)
         self.sin = (emb.sin() * factor).to(dtype=dtype, device=device)
-        self.half = head_dim // 2
 
-    def __call__(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)  # [tokens, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [tokens, 1, head_dim] of ``positions``; once per step, shared by layers."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
-    def _rotate_half(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat((-x[..., self.half :], x[..., : self.half]), dim=-1)
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [tokens, heads, head_dim] (q and k heads together, in one pass)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -11,8 +11,11 @@ from torch import nn
 from brook_engine.kv_cache import LayerKVCache
 from brook_engine.layers.attention import AttentionMetadata, paged_attention
 from brook_engine.layers.norm import RMSNorm
-from brook_engine.layers.rotary import RotaryEmbedding
+from brook_engine.layers.rotary import RotaryEmbedding, apply_rotary
 from brook_engine.models.arch import ModelArch
+
+#: cos and sin of the step's positions, [tokens, 1, head_dim] each
+Rotary = tuple[torch.Tensor, torch.Tensor]
 
 
 class Attention(nn.Module):
@@ -32,17 +35,17 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
+        rotary: Rotary,
         cache: LayerKVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        heads = self.num_heads + 2 * self.num_kv_heads
+        qkv = self.qkv_proj(x).view(tokens, heads, self.head_dim)
+        rotated = self.num_heads + self.num_kv_heads  # q and k heads are adjacent
+        qk = apply_rotary(qkv[:, :rotated], *rotary)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, rotated:]
         out = paged_attention(q, k, v, cache, meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.q_size))  # type: ignore[no-any-return]
 
@@ -74,12 +77,11 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
+        rotary: Rotary,
         cache: LayerKVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, cache, meta)
+        x = x + self.self_attn(self.input_layernorm(x), rotary, cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))  # type: ignore[no-any-return]
 
 
@@ -111,8 +113,9 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [tokens, hidden]
+        cos_sin = rotary.lookup(positions)
         for layer, cache in zip(self.model.layers, caches, strict=True):
-            x = layer(x, positions, rotary, cache, meta)
+            x = layer(x, cos_sin, cache, meta)
         return self.model.norm(x)  # type: ignore[no-any-return]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

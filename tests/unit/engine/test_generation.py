@@ -196,12 +196,16 @@ def test_rope_scalings_match_transformers(
     [("fp16", 1e-3), ("bf16", 8e-3), ("fp8_e4m3", 7e-2), ("fp8_e5m2", 1.3e-1)],
 )
 def test_kv_storage_round_trip(kind: Any, tolerance: float) -> None:
-    cache = LayerKVCache.allocate(32, 2, 16, kind, torch.float32, torch.device("cpu"))
+    cache = LayerKVCache.allocate(4, 8, 2, 16, kind, torch.float32, torch.device("cpu"))
     k = torch.randn(5, 2, 16) * 3
     v = torch.randn(5, 2, 16) / 7
     slots = torch.tensor([3, 9, 0, 31, 17])
     cache.write(slots, k, v)
-    rk, rv = cache.read(slots)
+    rk, rv = cache.read(slots)  # [kv_heads, tokens, head_dim]
     for got, want in ((rk, k), (rv, v)):
-        relative = (got - want).norm() / want.norm()
+        relative = (got.transpose(0, 1) - want).norm() / want.norm()
         assert relative < tolerance
+    # Whole blocks read back the same values at the same places.
+    bk, bv = cache.read_blocks(torch.tensor([[0, 1], [3, 2]]))  # [kv_heads, 2, 2 * 8, head_dim]
+    torch.testing.assert_close(bk[:, 0, 3], rk[:, 0])  # slot 3: block 0, offset 3
+    torch.testing.assert_close(bv[:, 1, 7], rv[:, 3])  # slot 31: block 3 (row 1), offset 7

@@ -1,0 +1,125 @@
+"""``brook-engine bench``: build the workload, run Brook, optionally the peers on the very same
+prompts, and print one table (or JSON)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import torch
+
+from brook_engine.bench.gemm import measure_gemm_flops
+from brook_engine.bench.run import BenchReport, run_engine
+from brook_engine.bench.workload import parse_length, random_workload
+from brook_engine.llm import engine_config_from_options
+from brook_engine.llm_engine import LLMEngine
+
+_COLUMNS = (
+    ("engine", "{}"),
+    ("output_tok_s", "{:.1f}"),
+    ("total_tok_s", "{:.1f}"),
+    ("ttft_p50_s", "{:.3f}"),
+    ("ttft_p99_s", "{:.3f}"),
+    ("tpot_p50_s", "{:.4f}"),
+    ("tpot_p99_s", "{:.4f}"),
+    ("peak_rss_mb", "{:.0f}"),
+)
+
+
+def _cell(value: Any, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def bench(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    config = engine_config_from_options(args.model, options)
+    engine = LLMEngine(config, progress=not args.json)
+    workload = random_workload(
+        args.num_requests,
+        parse_length(args.input_len),
+        parse_length(args.output_len),
+        engine.arch.vocab_size,
+        engine.tokenizer.special_ids | set(engine.eos_token_ids),
+        seed=args.seed,
+    )
+    report = run_engine(engine, workload, args.mode, progress=not args.json)
+    gemm = measure_gemm_flops(dtype=engine.runner.dtype)
+    params = sum(p.numel() for p in engine.runner.model.parameters())
+    tokens = report.prompt_tokens + report.output_tokens
+    report.mfu = 2 * params * tokens / report.elapsed_s / gemm
+    report.extra.update(gemm_gflops=gemm / 1e9, parameters=params, threads=torch.get_num_threads())
+    reports = [report]
+    peers = [p.strip() for p in args.compare.split(",") if p.strip()]
+    if peers:
+        from brook_engine.bench.peers.setup_vllm import ensure_vllm_venv, run_peer
+
+        del engine  # free memory for the peers
+        spec = {
+            "model": str(args.model),
+            "dtype": str(engine_dtype_name(report, options)),
+            "threads": torch.get_num_threads(),
+            "prompts": workload.prompts,
+            "max_tokens": workload.max_tokens,
+            "ignore_eos": True,
+            "mode": args.mode,
+        }
+        for peer in peers:
+            python = ensure_vllm_venv() if peer == "vllm" else sys.executable
+            result = run_peer(peer, spec, python=python)  # type: ignore[arg-type]
+            reports.append(_peer_report(result, args.mode))
+    _print(reports, args.json)
+    return 0
+
+
+def engine_dtype_name(report: BenchReport, options: dict[str, Any]) -> str:
+    return str(options.get("dtype") or "float32")
+
+
+def _peer_report(result: dict[str, Any], mode: str) -> BenchReport:
+    ttft = [t for t in (result.get("ttft_s") or []) if t is not None]
+    from brook_engine.bench.run import percentile
+
+    output = int(result.get("useful_output_tokens") or result["output_tokens"])
+    elapsed = float(result["elapsed_s"])
+    return BenchReport(
+        engine=str(result["engine"]),
+        mode=mode,
+        requests=int(result["requests"]),
+        prompt_tokens=int(result["prompt_tokens"]),
+        output_tokens=output,
+        elapsed_s=elapsed,
+        output_tok_s=output / elapsed,
+        total_tok_s=(int(result["prompt_tokens"]) + output) / elapsed,
+        ttft_p50_s=percentile(ttft, 50),
+        ttft_p99_s=percentile(ttft, 99),
+        tpot_p50_s=None,
+        tpot_p99_s=None,
+        peak_rss_mb=float(result.get("peak_rss_mb") or 0),
+        extra={"version": result.get("version"), "raw": result},
+    )
+
+
+def _print(reports: list[BenchReport], as_json: bool) -> None:
+    brook = reports[0]
+    if as_json:
+        out = {"brook": brook.as_dict(), "peers": [r.as_dict() for r in reports[1:]]}
+        out["ratios"] = {
+            r.engine: {"output_tok_s": brook.output_tok_s / r.output_tok_s} for r in reports[1:]
+        }
+        print(json.dumps(out, indent=2, default=str))
+        return
+    header = " | ".join(name for name, _ in _COLUMNS) + " | brook ÷ peer"
+    print(header)
+    print("-" * len(header))
+    for r in reports:
+        cells = [_cell(getattr(r, name), fmt) for name, fmt in _COLUMNS]
+        ratio = "" if r is brook else f"{brook.output_tok_s / r.output_tok_s:.2f}×"
+        print(" | ".join(cells) + f" | {ratio}")
+    print(
+        f"\n{brook.requests} requests, {brook.prompt_tokens} prompt + {brook.output_tokens} "
+        f"output tokens in {brook.elapsed_s:.1f} s; MFU {brook.mfu:.2f} "
+        f"(2 × {brook.extra['parameters'] / 1e6:.1f} M params × tokens / "
+        f"{brook.extra['gemm_gflops']:.1f} GFLOP/s measured GEMM); preemptions "
+        f"{brook.extra['preemptions']}"
+    )

@@ -1,0 +1,110 @@
+"""Run a workload through Brook's engine and report what a serving team compares: tokens/s,
+time to first token, time per output token, peak memory, and model FLOPs utilization."""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tqdm import tqdm
+
+from brook_engine.bench.workload import Workload
+from brook_engine.llm_engine import LLMEngine
+from brook_engine.sampling_params import SamplingParams
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+@dataclass
+class BenchReport:
+    engine: str
+    mode: str
+    requests: int
+    prompt_tokens: int
+    output_tokens: int
+    elapsed_s: float
+    output_tok_s: float
+    total_tok_s: float
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    tpot_p50_s: float | None
+    tpot_p99_s: float | None
+    peak_rss_mb: float
+    mfu: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def run_engine(
+    engine: LLMEngine, workload: Workload, mode: str, progress: bool = True
+) -> BenchReport:
+    """``batch``: every request at once (offline throughput). ``single``: one at a time."""
+    # Warm-up: first calls allocate and pick kernels.
+    warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.add_request("warm-up", workload.prompts[0][:16], warm)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+    ttft: list[float] = []
+    tpot: list[float] = []
+    generated = 0
+    start = time.perf_counter()
+    bar = tqdm(total=len(workload.prompts), desc=f"brook ({mode})", disable=not progress)
+    groups = (
+        [list(range(len(workload.prompts)))]
+        if mode == "batch"
+        else [[i] for i in range(len(workload.prompts))]
+    )
+    for group in groups:
+        arrival = time.monotonic()
+        for i in group:
+            params = SamplingParams(
+                temperature=0, max_tokens=workload.max_tokens[i], ignore_eos=True
+            )
+            engine.add_request(f"bench-{i}", workload.prompts[i], params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if not out.finished:
+                    continue
+                n = len(out.outputs[0].token_ids)
+                generated += n
+                first, done = out.metrics.first_token_time, out.metrics.finished_time
+                if first is not None and done is not None:
+                    ttft.append(first - arrival)
+                    if n > 1:
+                        tpot.append((done - first) / (n - 1))
+                bar.update(1)
+    elapsed = time.perf_counter() - start
+    bar.close()
+    prompt_tokens = workload.num_prompt_tokens
+    return BenchReport(
+        engine="brook",
+        mode=mode,
+        requests=len(workload.prompts),
+        prompt_tokens=prompt_tokens,
+        output_tokens=generated,
+        elapsed_s=elapsed,
+        output_tok_s=generated / elapsed,
+        total_tok_s=(prompt_tokens + generated) / elapsed,
+        ttft_p50_s=percentile(ttft, 50),
+        ttft_p99_s=percentile(ttft, 99),
+        tpot_p50_s=percentile(tpot, 50),
+        tpot_p99_s=percentile(tpot, 99),
+        peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        extra={
+            "preemptions": engine.scheduler.num_preemptions_total,
+            "kv_blocks": engine.runner.num_blocks,
+            "mean_ttft_s": statistics.fmean(ttft) if ttft else None,
+        },
+    )
