@@ -107,14 +107,10 @@ class LayerKVCache:
     def _gather_blocks(self, cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         raw = cache.view(torch.uint8) if _is_fp8(cache) else cache
         heads, slots, width = raw.shape
-        rows = raw.view(heads, slots // self.block_size, self.block_size * width)
-        index = tables.reshape(-1)
-        out = torch.empty(
-            (heads, index.numel(), rows.shape[-1]), dtype=raw.dtype, device=raw.device
-        )
-        for head in range(heads):
-            torch.index_select(rows[head], 0, index, out=out[head])
-        gathered = out.view(heads, tables.shape[0], -1, width)
+        blocks = slots // self.block_size
+        rows = raw.view(heads * blocks, self.block_size * width)  # one row per (head, block)
+        index = torch.arange(heads, device=tables.device)[:, None] * blocks + tables.reshape(1, -1)
+        gathered = rows.index_select(0, index.reshape(-1)).view(heads, tables.shape[0], -1, width)
         return gathered.view(cache.dtype) if _is_fp8(cache) else gathered
 
 

@@ -55,9 +55,38 @@ class _Request:
     emitted: int = 0  # characters of text already returned as deltas
 
 
+def check_supported(config: EngineConfig) -> None:
+    """Refuse settings this engine build cannot honour yet, rather than ignore them."""
+    problems = []
+    if config.parallel.world_size > 1:
+        problems.append(
+            f"parallel.tensor × parallel.pipeline = {config.parallel.world_size}: multi-device "
+            "replicas are not available in this build; use tensor: 1, pipeline: 1"
+        )
+    if config.offload.policy != "none":
+        problems.append("offload.policy: weight offload is not available yet; use none")
+    if config.quantization.weights != "none":
+        problems.append("quantization.weights: w8a16 is not available yet; use none")
+    if config.shapes.mode != "eager":
+        problems.append("shapes.mode: compile is not available yet; use eager")
+    if problems:
+        raise ConfigError("; ".join(problems))
+    inactive = [
+        name
+        for name, on in (
+            ("kvCache.prefixSharing", config.kv_cache.prefix_sharing.enabled),
+            ("kvCache.dynamicPrecision", config.kv_cache.dynamic_precision.enabled),
+        )
+        if on
+    ]
+    if inactive:
+        log.warning("not active in this build (settings kept, no effect): %s", ", ".join(inactive))
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         self.config = config
+        check_supported(config)
         folder = resolve_model_folder(config.model)
         self.arch = ModelArch.from_folder(folder)
         config.check_against_model(self.arch.facts)

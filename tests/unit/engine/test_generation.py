@@ -209,3 +209,59 @@ def test_kv_storage_round_trip(kind: Any, tolerance: float) -> None:
     bk, bv = cache.read_blocks(torch.tensor([[0, 1], [3, 2]]))  # [kv_heads, 2, 2 * 8, head_dim]
     torch.testing.assert_close(bk[:, 0, 3], rk[:, 0])  # slot 3: block 0, offset 3
     torch.testing.assert_close(bv[:, 1, 7], rv[:, 3])  # slot 31: block 3 (row 1), offset 7
+
+
+@pytest.mark.parametrize(
+    ("options", "text"),
+    [
+        ({"tensor": 2}, "multi-device replicas are not available"),
+        ({"offload": {"policy": "static", "device_memory_limit_gb": 1}}, "offload.policy"),
+        ({"quantization": {"weights": "w8a16"}}, "quantization.weights"),
+        ({"shapes": {"mode": "compile"}}, "shapes.mode"),
+    ],
+)
+def test_settings_not_yet_available_are_refused(
+    options: dict[str, Any], text: str, make_tiny_model: Callable[..., Path]
+) -> None:
+    with pytest.raises(ConfigError, match=text):
+        LLM(str(make_tiny_model("llama")), progress=False, **options)
+
+
+def test_loader_names_what_is_wrong(make_tiny_model: Callable[..., Path], tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source = make_tiny_model("llama")
+    broken = tmp_path / "broken"
+    shutil.copytree(source, broken)
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ConfigError, match=r"GPT2LMHeadModel.*not supported; Brook runs"):
+        LLM(str(broken), progress=False)
+    (broken / "config.json").write_text(json.dumps(config))
+    weights = load_file(broken / "model.safetensors")
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, broken / "model.safetensors")
+    with pytest.raises(ConfigError, match=r"checkpoint lacks model\.layers\.1\.mlp\.gate_up_proj"):
+        LLM(str(broken), progress=False)
+    with pytest.raises(ConfigError, match="not a folder"):
+        LLM(str(tmp_path / "nowhere"), progress=False)
+
+
+def test_sharded_checkpoint_loads_the_same(make_tiny_model: Callable[..., Path],
+                                          tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    source = make_tiny_model("qwen2")
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(source).save_pretrained(sharded, max_shard_size="40KB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (sharded / name).write_bytes((source / name).read_bytes())
+    assert (sharded / "model.safetensors.index.json").exists()
+    kv = {**EXACT_KV, "num_blocks": 32}
+    prompt = [5, 9, 14, 3]
+    whole = LLM(str(source), dtype="float32", kv_cache=kv, progress=False)
+    parts = LLM(str(sharded), dtype="float32", kv_cache=kv, progress=False)
+    torch.testing.assert_close(parts.engine.prompt_logits(prompt), whole.engine.prompt_logits(prompt))
