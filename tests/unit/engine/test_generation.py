@@ -237,7 +237,9 @@ def test_loader_names_what_is_wrong(make_tiny_model: Callable[..., Path], tmp_pa
     broken = tmp_path / "broken"
     shutil.copytree(source, broken)
     config = json.loads((broken / "config.json").read_text())
-    (broken / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+    (broken / "config.json").write_text(
+        json.dumps({**config, "architectures": ["GPT2LMHeadModel"]})
+    )
     with pytest.raises(ConfigError, match=r"GPT2LMHeadModel.*not supported; Brook runs"):
         LLM(str(broken), progress=False)
     (broken / "config.json").write_text(json.dumps(config))
@@ -250,8 +252,9 @@ def test_loader_names_what_is_wrong(make_tiny_model: Callable[..., Path], tmp_pa
         LLM(str(tmp_path / "nowhere"), progress=False)
 
 
-def test_sharded_checkpoint_loads_the_same(make_tiny_model: Callable[..., Path],
-                                          tmp_path: Path) -> None:
+def test_sharded_checkpoint_loads_the_same(
+    make_tiny_model: Callable[..., Path], tmp_path: Path
+) -> None:
     from transformers import AutoModelForCausalLM
 
     source = make_tiny_model("qwen2")
@@ -264,4 +267,6 @@ def test_sharded_checkpoint_loads_the_same(make_tiny_model: Callable[..., Path],
     prompt = [5, 9, 14, 3]
     whole = LLM(str(source), dtype="float32", kv_cache=kv, progress=False)
     parts = LLM(str(sharded), dtype="float32", kv_cache=kv, progress=False)
-    torch.testing.assert_close(parts.engine.prompt_logits(prompt), whole.engine.prompt_logits(prompt))
+    torch.testing.assert_close(
+        parts.engine.prompt_logits(prompt), whole.engine.prompt_logits(prompt)
+    )
