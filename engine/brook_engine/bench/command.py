@@ -6,12 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from brook_engine.bench.gemm import measure_gemm_flops
-from brook_engine.bench.run import BenchReport, run_engine
+from brook_engine.bench.run import BenchReport, percentile, run_engine
 from brook_engine.bench.workload import parse_length, random_workload
 from brook_engine.llm import engine_config_from_options
 from brook_engine.llm_engine import LLMEngine
@@ -49,15 +50,17 @@ def bench(args: argparse.Namespace, options: dict[str, Any]) -> int:
     tokens = report.prompt_tokens + report.output_tokens
     report.mfu = 2 * params * tokens / report.elapsed_s / gemm
     report.extra.update(gemm_gflops=gemm / 1e9, parameters=params, threads=torch.get_num_threads())
+    report.extra["dtype"] = str(engine.runner.dtype).removeprefix("torch.")
     reports = [report]
     peers = [p.strip() for p in args.compare.split(",") if p.strip()]
+    failures = 0
     if peers:
-        from brook_engine.bench.peers.setup_vllm import ensure_vllm_venv, run_peer
+        from brook_engine.bench.peers.setup_vllm import PeerError, ensure_vllm_venv, run_peer
 
-        del engine  # free memory for the peers
+        del engine  # free its memory for the peers
         spec = {
-            "model": str(args.model),
-            "dtype": str(engine_dtype_name(report, options)),
+            "model": str(Path(args.model).resolve()),
+            "dtype": report.extra["dtype"],
             "threads": torch.get_num_threads(),
             "prompts": workload.prompts,
             "max_tokens": workload.max_tokens,
@@ -65,21 +68,18 @@ def bench(args: argparse.Namespace, options: dict[str, Any]) -> int:
             "mode": args.mode,
         }
         for peer in peers:
-            python = ensure_vllm_venv() if peer == "vllm" else sys.executable
-            result = run_peer(peer, spec, python=python)  # type: ignore[arg-type]
-            reports.append(_peer_report(result, args.mode))
+            try:
+                python = ensure_vllm_venv() if peer == "vllm" else Path(sys.executable)
+                reports.append(_peer_report(run_peer(peer, spec, python=python), args.mode))
+            except PeerError as exc:
+                failures += 1
+                print(f"peer {peer} failed: {exc}", file=sys.stderr)
     _print(reports, args.json)
-    return 0
-
-
-def engine_dtype_name(report: BenchReport, options: dict[str, Any]) -> str:
-    return str(options.get("dtype") or "float32")
+    return 1 if failures else 0
 
 
 def _peer_report(result: dict[str, Any], mode: str) -> BenchReport:
     ttft = [t for t in (result.get("ttft_s") or []) if t is not None]
-    from brook_engine.bench.run import percentile
-
     output = int(result.get("useful_output_tokens") or result["output_tokens"])
     elapsed = float(result["elapsed_s"])
     return BenchReport(
