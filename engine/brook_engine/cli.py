@@ -24,8 +24,8 @@ _ENGINE_FLAGS = {
 }
 
 
-def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="Hugging Face model folder")
+def _add_engine_flags(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
+    parser.add_argument("--model", required=model_required, help="Hugging Face model folder")
     for flag, (_, kind) in _ENGINE_FLAGS.items():
         parser.add_argument(flag, type=kind, default=None)
     parser.add_argument(
@@ -75,6 +75,30 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from brook_engine.llm import engine_config_from_options
+    from brook_engine.server.serve import serve
+
+    base = load_engine_config(args.config) if args.config else None
+    if base is None and not args.model:
+        raise ConfigError("give --config FILE or --model FOLDER")
+    options = _engine_options(args)
+    server: dict[str, Any] = {}
+    for flag in ("host", "port"):
+        if getattr(args, flag) is not None:
+            server[flag] = getattr(args, flag)
+    if args.drain_timeout is not None:
+        server["drain_timeout_seconds"] = args.drain_timeout
+    if args.api_key_env or args.api_key_file:
+        server["api_key"] = {"env": args.api_key_env, "file": args.api_key_file}
+    if server:
+        options["server"] = server
+    if args.served_model_name:
+        options["served_name"] = args.served_model_name
+    config = engine_config_from_options(args.model, options, base)
+    return serve(config)
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from brook_engine.bench.command import bench
 
@@ -105,12 +129,32 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--seed", type=int, default=None)
         command.set_defaults(func=_cmd_generate)
 
+    serve = sub.add_parser(
+        "serve", help="serve the OpenAI-compatible API, /metrics, /health and /ready"
+    )
+    serve.add_argument("--config", help="engine configuration file; flags override it")
+    _add_engine_flags(serve, model_required=False)
+    serve.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=None, help="port (default 8000)")
+    serve.add_argument("--served-model-name", default=None, help="model name clients send")
+    serve.add_argument("--drain-timeout", type=float, default=None, help="seconds (default 30)")
+    serve.add_argument("--api-key-env", default=None, help="environment variable with the key")
+    serve.add_argument("--api-key-file", default=None, help="file with the API key")
+    serve.set_defaults(func=_cmd_serve)
+
     bench = sub.add_parser("bench", help="throughput and latency on a synthetic workload")
     _add_engine_flags(bench)
     bench.add_argument("--num-requests", type=int, default=64)
     bench.add_argument("--input-len", default="128", help="N, or LOW:HIGH for uniform lengths")
     bench.add_argument("--output-len", default="128", help="N, or LOW:HIGH for uniform lengths")
-    bench.add_argument("--mode", choices=("batch", "single"), default="batch")
+    bench.add_argument(
+        "--mode",
+        choices=("batch", "single", "serve"),
+        default="batch",
+        help="batch: all requests at once; single: one at a time; serve: offline API vs the "
+        "HTTP server at --concurrency streams (serving overhead)",
+    )
+    bench.add_argument("--concurrency", type=int, default=16, help="streams for --mode serve")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--compare", default="", help="peers to run too: hf, vllm (comma list)")
     bench.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -49,6 +49,14 @@ class Backend:
         free, _ = self.memory()
         return min(free, CPU_KV_CACHE_CAP) if self.kind == "cpu" else free
 
+    def peak_allocated(self) -> int | None:
+        """Peak bytes the device allocator handed out; None on CPU (no allocator stats)."""
+        if self.kind == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        if self.kind == "npu":
+            return int(torch.npu.max_memory_allocated(self.device))  # type: ignore[attr-defined]
+        return None
+
     def memory(self) -> tuple[int, int]:
         """(free, total) bytes of the device memory the KV cache can come from."""
         if self.kind == "cuda":

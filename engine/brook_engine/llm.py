@@ -30,10 +30,16 @@ _ALIASES = {
 Message = dict[str, Any]
 
 
-def engine_config_from_options(model: str, options: dict[str, Any]) -> EngineConfig:
+def engine_config_from_options(
+    model: str | None, options: dict[str, Any], base: EngineConfig | None = None
+) -> EngineConfig:
     """``LLM(model, **options)`` → ``EngineConfig``. An option is a section (``kv_cache={...}``),
-    a model field (``dtype``), or a field that exactly one section has (``max_num_seqs``)."""
-    data: dict[str, Any] = {"model": {"uri": model}}
+    a model field (``dtype``), or a field that exactly one section has (``max_num_seqs``).
+    With ``base``, options override its values (sections merge field by field)."""
+    data: dict[str, Any] = base.model_dump(exclude_unset=True) if base is not None else {}
+    data.setdefault("model", {})
+    if model is not None:
+        data["model"]["uri"] = model
     sections = {
         name: field.annotation
         for name, field in EngineConfig.model_fields.items()
@@ -41,7 +47,11 @@ def engine_config_from_options(model: str, options: dict[str, Any]) -> EngineCon
     }
     for key, value in options.items():
         if key in ("device", *sections):
-            data[key] = value.model_dump() if hasattr(value, "model_dump") else value
+            value = value.model_dump(exclude_unset=True) if hasattr(value, "model_dump") else value
+            if isinstance(value, dict) and isinstance(data.get(key), dict):
+                data[key] = {**data[key], **value}
+            else:
+                data[key] = value
         elif key in ModelConfig.model_fields:
             data["model"][key] = value
         elif key in _ALIASES:
@@ -105,8 +115,13 @@ class LLM:
     ) -> list[RequestOutput]:
         """Answer one conversation or several, rendered with the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.engine.tokenizer
+        # The template writes any BOS itself, so no special tokens are added on top.
         prompts = [
-            self.engine.tokenizer.apply_chat_template(list(c))  # type: ignore[arg-type]
+            tokenizer.encode(
+                tokenizer.apply_chat_template(list(c)),  # type: ignore[arg-type]
+                add_special_tokens=False,
+            )
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import torch
 from brook_engine.block_manager import BlockManager
 from brook_engine.config import ConfigError, EngineConfig, ModelConfig, split_model_uri
 from brook_engine.device import resolve_backend
+from brook_engine.metrics.stats import EngineStats, FinishedRequestStats
 from brook_engine.model_runner import ModelRunner
 from brook_engine.models.arch import ModelArch
 from brook_engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -109,6 +111,8 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+        # Drained by the server after every step; bounded for callers that never drain.
+        self._finished_stats: deque[FinishedRequestStats] = deque(maxlen=65536)
         log.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens, weights loaded in %.1f s",
             self.served_name,
@@ -132,7 +136,15 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request; ``arrival_time`` (``time.monotonic()``) when it arrived earlier
+        than now, e.g. at the HTTP server. Raises ``RequestError`` or ``QueueFullError``."""
         if request_id in self._requests:
             raise RequestError(f"request id {request_id!r} is already running")
         text = prompt if isinstance(prompt, str) else None
@@ -149,6 +161,8 @@ class LLMEngine:
                 "leaving no room to generate; shorten the prompt"
             )
         seq = Sequence(request_id, ids, len(ids), params)
+        if arrival_time is not None:
+            seq.arrival_time = arrival_time
         self.scheduler.add(seq)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         self._requests[request_id] = _Request(seq, text, detok)
@@ -161,7 +175,66 @@ class LLMEngine:
             return False
         self.scheduler.finish(request.seq, FinishReason.ABORT)
         self.runner.release(request_id)
+        self._record_finished(request.seq)
         return True
+
+    def abort_all(self) -> list[str]:
+        """Cancel every request; returns their ids."""
+        ids = list(self._requests)
+        for request_id in ids:
+            self.abort_request(request_id)
+        return ids
+
+    def warm_up(self) -> float:
+        """Run one short request through every stage (prefill, decode, sampling) so the
+        first real request does not pay for lazy initialisation; statistics are reset
+        after. Returns the seconds it took."""
+        started = time.perf_counter()
+        num_prompt = max(1, min(8, self.max_model_len - 2))
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        self.add_request("warm-up", [0] * num_prompt, params)
+        while self.has_unfinished_requests():
+            self.step()
+        self._requests.pop("warm-up", None)
+        self.num_prompt_tokens_total = 0
+        self.num_generation_tokens_total = 0
+        self.scheduler.num_preemptions_total = 0
+        self._finished_stats.clear()
+        return time.perf_counter() - started
+
+    # -- statistics ----------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        """Gauges and running totals as of now (cheap; called after every step)."""
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.block_manager.usage,
+            num_kv_blocks=self.block_manager.num_blocks,
+            num_prompt_tokens_total=self.num_prompt_tokens_total,
+            num_generation_tokens_total=self.num_generation_tokens_total,
+            num_preemptions_total=self.scheduler.num_preemptions_total,
+            memory_bytes=self.runner.memory_bytes(),
+        )
+
+    def take_finished_stats(self) -> list[FinishedRequestStats]:
+        """Requests that ended since the last call, finished or aborted."""
+        taken = list(self._finished_stats)
+        self._finished_stats.clear()
+        return taken
+
+    def _record_finished(self, seq: Sequence) -> None:
+        self._finished_stats.append(
+            FinishedRequestStats(
+                finish_reason=seq.finish_reason.value if seq.finish_reason else "abort",
+                num_prompt_tokens=seq.num_prompt_tokens,
+                num_generation_tokens=seq.num_output_tokens,
+                arrival_time=seq.arrival_time,
+                scheduled_time=seq.scheduled_time,
+                first_token_time=seq.first_token_time,
+                finished_time=time.monotonic(),
+            )
+        )
 
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Float32 logits [tokens, vocab] of every position of ``token_ids``, computed through
@@ -228,6 +301,7 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish(seq, reason)
             self.runner.release(seq.request_id)
+            self._record_finished(seq)
 
     def _output(self, request: _Request, now: float) -> RequestOutput:
         seq = request.seq

@@ -95,6 +95,29 @@ class ModelRunner:
         enough = self.config.scheduler.max_num_seqs * blocks_per_seq
         return max(1, min(budget_blocks, enough))
 
+    def memory_bytes(self) -> dict[str, int]:
+        """Device memory by kind: weights, KV cache, and activations (the allocator's peak
+        beyond the two on accelerators; on CPU, which has no allocator statistics, an
+        estimate of the largest step the scheduler allows)."""
+        kv = sum(
+            t.numel() * t.element_size()
+            for c in self.caches
+            for t in (c.k, c.v, c.k_scale, c.v_scale)
+            if t is not None
+        )
+        peak = self.backend.peak_allocated()
+        if peak is not None:
+            activations = max(0, peak - self.weight_bytes - kv)
+        else:
+            a = self.arch
+            tokens = self.config.scheduler.max_num_batched_tokens
+            per_token = 4 * a.hidden_size + (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
+            per_token += 3 * a.intermediate_size  # gate_up output and its product
+            itemsize = torch.empty((), dtype=self.dtype).element_size()
+            logits = self.config.scheduler.max_num_seqs * a.vocab_size * 4  # float32
+            activations = tokens * per_token * itemsize + logits
+        return {"weights": self.weight_bytes, "kv_cache": kv, "activations": activations}
+
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
 

@@ -9,6 +9,7 @@ are freed and it is recomputed later from its tokens (prompt and output so far).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -98,6 +99,8 @@ class Scheduler:
             self.waiting.popleft()
             self.block_manager.grow(seq.block_table, total)
             seq.status = SequenceStatus.RUNNING
+            if seq.scheduled_time is None:
+                seq.scheduled_time = time.monotonic()
             self.running.append(seq)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)

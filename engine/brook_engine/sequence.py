@@ -35,6 +35,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    scheduled_time: float | None = None  # first admitted to the running batch
     first_token_time: float | None = None
     num_preemptions: int = 0
     # Per generated token: (logprob of the sampled token, {token id: logprob} of the top ones)

@@ -34,6 +34,8 @@ def _cell(value: Any, fmt: str) -> str:
 
 
 def bench(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    if args.mode == "serve":
+        return _bench_serving(args, options)
     config = engine_config_from_options(args.model, options)
     engine = LLMEngine(config, progress=not args.json)
     workload = random_workload(
@@ -76,6 +78,45 @@ def bench(args: argparse.Namespace, options: dict[str, Any]) -> int:
                 print(f"peer {peer} failed: {exc}", file=sys.stderr)
     _print(reports, args.json)
     return 1 if failures else 0
+
+
+def _bench_serving(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    """Offline API and HTTP server, both at ``--concurrency`` requests at a time."""
+    from brook_engine.bench.serving import run_http
+
+    scheduler = dict(options.get("scheduler") or {})
+    scheduler["max_num_seqs"] = args.concurrency
+    options = {**options, "scheduler": scheduler}
+    options.pop("max_num_seqs", None)
+    config = engine_config_from_options(args.model, options)
+    engine = LLMEngine(config, progress=not args.json)
+    workload = random_workload(
+        args.num_requests,
+        parse_length(args.input_len),
+        parse_length(args.output_len),
+        engine.arch.vocab_size,
+        engine.tokenizer.special_ids | set(engine.eos_token_ids),
+        seed=args.seed,
+    )
+    offline = run_engine(engine, workload, "batch", progress=not args.json)
+    offline.engine, offline.mode = "brook (offline)", f"batch×{args.concurrency}"
+    del engine
+    http = run_http(config, workload, args.concurrency, progress=not args.json)
+    overhead = 1 - http.output_tok_s / offline.output_tok_s
+    if args.json:
+        out = {"offline": offline.as_dict(), "http": http.as_dict(), "overhead": overhead}
+        print(json.dumps(out, indent=2, default=str))
+        return 0
+    header = " | ".join(name for name, _ in _COLUMNS)
+    print(header)
+    print("-" * len(header))
+    for r in (offline, http):
+        print(" | ".join(_cell(getattr(r, name), fmt) for name, fmt in _COLUMNS))
+    print(
+        f"\n{http.requests} requests at {args.concurrency} at a time; serving overhead "
+        f"{overhead:.1%} (1 - HTTP output tok/s ÷ offline output tok/s)"
+    )
+    return 0
 
 
 def _peer_report(result: dict[str, Any], mode: str) -> BenchReport:

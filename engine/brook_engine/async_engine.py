@@ -1,0 +1,248 @@
+"""The engine on a thread of its own, for the HTTP server.
+
+``LLMEngine`` is synchronous and not thread-safe. ``AsyncEngine`` gives it one dedicated
+thread that takes commands (add, abort, stop) from a queue between steps and runs steps while
+any request is unfinished; torch releases the GIL inside kernels, so the event loop stays
+responsive while a step runs. Outputs go back to the loop in one callback per step. Every
+request reaches its end: finished, aborted by its caller (its blocks freed at once), or
+failed with the error that stopped it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from brook_engine.llm_engine import LLMEngine
+from brook_engine.metrics.prometheus import EngineMetrics
+from brook_engine.outputs import RequestOutput
+from brook_engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine stopped (shutdown, or drain timeout) before the request ended."""
+
+
+class EngineStepError(RuntimeError):
+    """A step failed; the requests in it were ended. The server keeps serving."""
+
+
+@dataclass(frozen=True)
+class SubRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+_Sink = asyncio.Queue[RequestOutput | BaseException]
+
+
+class OutputStream:
+    """Outputs of one call's requests as (index, output), until all have finished.
+    ``close()`` aborts those still running and frees their blocks; call it when the caller
+    stops reading early (client gone)."""
+
+    def __init__(self, engine: AsyncEngine, sink: _Sink, request_ids: list[str]) -> None:
+        self._engine = engine
+        self._sink = sink
+        self._index = {request_id: i for i, request_id in enumerate(request_ids)}
+        self._pending = set(request_ids)
+
+    def __aiter__(self) -> OutputStream:
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        if not self._pending:
+            raise StopAsyncIteration
+        item = await self._sink.get()
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        if item.finished:
+            self._pending.discard(item.request_id)
+        return self._index[item.request_id], item
+
+    def close(self) -> None:
+        if self._pending:
+            self._engine.abort(sorted(self._pending))
+            self._pending.clear()
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._sinks: dict[str, _Sink] = {}  # engine thread only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    # -- lifecycle (event loop side) -----------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._record()
+        self._thread = threading.Thread(target=self._run, name="brook-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Abort whatever still runs and stop the thread."""
+        if self._thread is None or self._stopped:
+            return
+        self._stopped = True
+        self._commands.put(("stop", None))
+        await asyncio.to_thread(self._thread.join)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopped
+
+    # -- requests (event loop side) ------------------------------------------------------
+
+    async def add(
+        self, requests: list[SubRequest], arrival_time: float | None = None
+    ) -> OutputStream:
+        """Queue ``requests`` (the choices of one API call) together. Raises
+        ``RequestError`` / ``QueueFullError`` if the engine refuses them (then none runs);
+        otherwise returns the stream of their outputs."""
+        if not self.is_running or self._loop is None:
+            raise EngineStoppedError("the engine is not running")
+        sink: _Sink = asyncio.Queue()
+        accepted: asyncio.Future[None] = self._loop.create_future()
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        self._commands.put(("add", (requests, sink, accepted, arrival)))
+        ids = [r.request_id for r in requests]
+        try:
+            await accepted
+        except BaseException:  # refused, or the caller was cancelled while waiting
+            self._commands.put(("abort", ids))
+            raise
+        return OutputStream(self, sink, ids)
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort these requests (unknown or finished ids are ignored)."""
+        self._commands.put(("abort", request_ids))
+
+    def abort_all(self) -> None:
+        """End every request now (the drain timeout ran out)."""
+        self._commands.put(("abort_all", None))
+
+    # -- the engine thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            busy = engine.has_unfinished_requests()
+            try:
+                command = self._commands.get(block=not busy)
+            except queue.Empty:
+                command = None
+            stop = False
+            while command is not None:
+                stop = self._handle(*command) or stop
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    command = None
+            if stop:
+                self._fail_all(EngineStoppedError("the engine stopped before the request ended"))
+                self._record()
+                return
+            if engine.has_unfinished_requests():
+                try:
+                    outputs = engine.step()
+                except Exception as exc:
+                    log.exception("engine step failed; ending the requests it held")
+                    self._fail_all(EngineStepError(f"the engine failed a step: {exc}"))
+                else:
+                    self._deliver(outputs)
+            self._record()
+
+    def _handle(self, kind: str, payload: Any) -> bool:
+        if kind == "stop":
+            return True
+        if kind == "add":
+            requests, sink, accepted, arrival = payload
+            self._add(requests, sink, accepted, arrival)
+        elif kind == "abort":
+            for request_id in payload:
+                self._sinks.pop(request_id, None)
+                self.engine.abort_request(request_id)
+        elif kind == "abort_all":
+            self._fail_all(EngineStoppedError("the server is shutting down"))
+        return False
+
+    def _add(
+        self,
+        requests: list[SubRequest],
+        sink: _Sink,
+        accepted: asyncio.Future[None],
+        arrival: float,
+    ) -> None:
+        added: list[str] = []
+        try:
+            for r in requests:
+                self.engine.add_request(r.request_id, r.prompt_token_ids, r.params, arrival)
+                added.append(r.request_id)
+                self._sinks[r.request_id] = sink
+        except Exception as exc:
+            for request_id in added:
+                self._sinks.pop(request_id, None)
+                self.engine.abort_request(request_id)
+            self._call_soon(_settle, accepted, exc)
+            return
+        self._call_soon(_settle, accepted, None)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        routed: list[tuple[_Sink, RequestOutput | BaseException]] = []
+        for output in outputs:
+            sink = self._sinks.get(output.request_id)
+            if sink is None:
+                continue  # its caller has gone; the abort is on its way
+            if output.finished:
+                del self._sinks[output.request_id]
+            routed.append((sink, output))
+        if routed:
+            self._call_soon(_put_all, routed)
+
+    def _fail_all(self, error: BaseException) -> None:
+        routed: list[tuple[_Sink, RequestOutput | BaseException]] = []
+        for request_id in self.engine.abort_all():
+            sink = self._sinks.pop(request_id, None)
+            if sink is not None:
+                routed.append((sink, error))
+        if routed:
+            self._call_soon(_put_all, routed)
+
+    def _record(self) -> None:
+        if self.metrics is not None:
+            self.metrics.record(self.engine.stats(), self.engine.take_finished_stats())
+
+    def _call_soon(self, callback: Callable[..., None], *args: Any) -> None:
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is listening
+            self._loop.call_soon_threadsafe(callback, *args)
+
+
+def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
+    if future.done():  # the caller gave up waiting
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+def _put_all(routed: list[tuple[_Sink, RequestOutput | BaseException]]) -> None:
+    for sink, item in routed:
+        sink.put_nowait(item)

@@ -1,0 +1,49 @@
+"""Every metric name the engine serves on /metrics, in one place.
+
+The operator's autoscaler imports this module to read the engine's metrics by name, so it
+must stay free of torch and of prometheus_client. Counters end in ``_total``, durations in
+``_seconds``, ratios in ``_ratio`` (0..1).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+PREFIX: Final = "brook_engine_"
+
+# Gauges sampled after every engine step.
+NUM_REQUESTS_RUNNING: Final = "brook_engine_num_requests_running"
+NUM_REQUESTS_WAITING: Final = "brook_engine_num_requests_waiting"
+KV_CACHE_USAGE_RATIO: Final = "brook_engine_kv_cache_usage_ratio"
+KV_CACHE_NUM_BLOCKS: Final = "brook_engine_kv_cache_num_blocks"
+COMM_COMPUTE_OVERLAP_RATIO: Final = "brook_engine_comm_compute_overlap_ratio"
+DEVICE_MEMORY_BYTES: Final = "brook_engine_device_memory_bytes"  # label: kind
+MODEL_INFO: Final = "brook_engine_model_info"  # value 1; labels describe model and config
+
+# Counters.
+REQUESTS_TOTAL: Final = "brook_engine_requests_total"  # label: finish_reason
+PROMPT_TOKENS_TOTAL: Final = "brook_engine_prompt_tokens_total"
+GENERATION_TOKENS_TOTAL: Final = "brook_engine_generation_tokens_total"
+PREEMPTIONS_TOTAL: Final = "brook_engine_num_preemptions_total"
+PREFIX_CACHE_QUERIES_TOTAL: Final = "brook_engine_prefix_cache_queries_total"  # tokens looked up
+PREFIX_CACHE_HITS_TOTAL: Final = "brook_engine_prefix_cache_hits_total"  # tokens found
+
+# Histograms (per finished request).
+TIME_TO_FIRST_TOKEN_SECONDS: Final = "brook_engine_time_to_first_token_seconds"
+TIME_PER_OUTPUT_TOKEN_SECONDS: Final = "brook_engine_time_per_output_token_seconds"
+E2E_REQUEST_LATENCY_SECONDS: Final = "brook_engine_e2e_request_latency_seconds"
+REQUEST_QUEUE_TIME_SECONDS: Final = "brook_engine_request_queue_time_seconds"
+
+# Label values.
+MEMORY_KINDS: Final = ("weights", "kv_cache", "activations")
+FINISH_REASONS: Final = ("stop", "length", "abort")
+
+# The names the Kubernetes inference ecosystem reads: the Gateway API Inference Extension's
+# model-server protocol (queue, running, KV usage as a 0..1 ratio), under the plain names and
+# under the vLLM names that its endpoint picker and most KEDA/HPA recipes read by default.
+GATEWAY_NUM_REQUESTS_WAITING: Final = "num_requests_waiting"
+GATEWAY_NUM_REQUESTS_RUNNING: Final = "num_requests_running"
+GATEWAY_KV_CACHE_USAGE_PERC: Final = "kv_cache_usage_perc"
+VLLM_NUM_REQUESTS_WAITING: Final = "vllm:num_requests_waiting"
+VLLM_NUM_REQUESTS_RUNNING: Final = "vllm:num_requests_running"
+VLLM_KV_CACHE_USAGE_PERC: Final = "vllm:kv_cache_usage_perc"

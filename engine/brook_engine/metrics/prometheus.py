@@ -1,0 +1,126 @@
+"""The engine's Prometheus metrics: created once with help text and explicit buckets in an
+injected registry (several engines can live in one process, as in tests), fed from
+``EngineStats`` snapshots and finished-request stats."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from brook_engine.metrics import names
+from brook_engine.metrics.stats import EngineStats, FinishedRequestStats
+
+_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
+)  # fmt: skip
+_TOKEN_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2,
+    0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+
+
+class EngineMetrics:
+    def __init__(self, registry: CollectorRegistry, info: Mapping[str, str]) -> None:
+        def gauge(name: str, text: str, labels: Iterable[str] = ()) -> Gauge:
+            return Gauge(name, text, list(labels), registry=registry)
+
+        def counter(name: str, text: str, labels: Iterable[str] = ()) -> Counter:
+            # prometheus_client appends _total itself; give it the stem.
+            return Counter(name.removesuffix("_total"), text, list(labels), registry=registry)
+
+        def histogram(name: str, text: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, text, buckets=buckets, registry=registry)
+
+        self.info = gauge(names.MODEL_INFO, "Model and configuration; the value is 1.", info)
+        self.info.labels(**info).set(1)
+        self.running = [
+            gauge(names.NUM_REQUESTS_RUNNING, "Requests in the running batch."),
+            gauge(names.GATEWAY_NUM_REQUESTS_RUNNING, "Requests running (inference gateway)."),
+            gauge(names.VLLM_NUM_REQUESTS_RUNNING, "Requests running (vLLM name)."),
+        ]
+        self.waiting = [
+            gauge(names.NUM_REQUESTS_WAITING, "Requests queued for the running batch."),
+            gauge(names.GATEWAY_NUM_REQUESTS_WAITING, "Requests queued (inference gateway)."),
+            gauge(names.VLLM_NUM_REQUESTS_WAITING, "Requests queued (vLLM name)."),
+        ]
+        self.kv_usage = [
+            gauge(names.KV_CACHE_USAGE_RATIO, "Fraction of KV-cache blocks in use (0..1)."),
+            gauge(names.GATEWAY_KV_CACHE_USAGE_PERC, "KV-cache usage, 0..1 (inference gateway)."),
+            gauge(names.VLLM_KV_CACHE_USAGE_PERC, "KV-cache usage, 0..1 (vLLM name)."),
+        ]
+        self.kv_blocks = gauge(names.KV_CACHE_NUM_BLOCKS, "KV-cache blocks allocated.")
+        self.overlap = gauge(
+            names.COMM_COMPUTE_OVERLAP_RATIO,
+            "1 - exposed communication time / total communication time; 1 without communication.",
+        )
+        self.memory = gauge(
+            names.DEVICE_MEMORY_BYTES,
+            "Device memory by kind: weights, kv_cache, activations (peak; estimated on CPU).",
+            ["kind"],
+        )
+        self.requests = counter(
+            names.REQUESTS_TOTAL, "Requests ended, by finish reason.", ["finish_reason"]
+        )
+        for reason in names.FINISH_REASONS:
+            self.requests.labels(finish_reason=reason)
+        self.prompt_tokens = counter(names.PROMPT_TOKENS_TOTAL, "Prompt tokens received.")
+        self.generation_tokens = counter(names.GENERATION_TOKENS_TOTAL, "Tokens generated.")
+        self.preemptions = counter(names.PREEMPTIONS_TOTAL, "Sequences preempted.")
+        self.prefix_queries = counter(
+            names.PREFIX_CACHE_QUERIES_TOTAL, "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_hits = counter(
+            names.PREFIX_CACHE_HITS_TOTAL, "Prompt tokens found in the prefix cache."
+        )
+        self.ttft = histogram(
+            names.TIME_TO_FIRST_TOKEN_SECONDS,
+            "Arrival to first generated token.",
+            _LATENCY_BUCKETS,
+        )
+        self.tpot = histogram(
+            names.TIME_PER_OUTPUT_TOKEN_SECONDS,
+            "Mean time between generated tokens of a request.",
+            _TOKEN_LATENCY_BUCKETS,
+        )
+        self.e2e = histogram(
+            names.E2E_REQUEST_LATENCY_SECONDS, "Arrival to the last token.", _LATENCY_BUCKETS
+        )
+        self.queue = histogram(
+            names.REQUEST_QUEUE_TIME_SECONDS, "Arrival to first scheduled.", _LATENCY_BUCKETS
+        )
+        self._last: EngineStats | None = None
+
+    def record(self, stats: EngineStats, finished: Iterable[FinishedRequestStats] = ()) -> None:
+        for g in self.running:
+            g.set(stats.num_running)
+        for g in self.waiting:
+            g.set(stats.num_waiting)
+        for g in self.kv_usage:
+            g.set(stats.kv_cache_usage)
+        self.kv_blocks.set(stats.num_kv_blocks)
+        self.overlap.set(stats.comm_compute_overlap)
+        for kind, value in stats.memory_bytes.items():
+            self.memory.labels(kind=kind).set(value)
+        last = self._last
+        for metric, field in (
+            (self.prompt_tokens, "num_prompt_tokens_total"),
+            (self.generation_tokens, "num_generation_tokens_total"),
+            (self.preemptions, "num_preemptions_total"),
+            (self.prefix_queries, "prefix_cache_queries_total"),
+            (self.prefix_hits, "prefix_cache_hits_total"),
+        ):
+            now, before = getattr(stats, field), getattr(last, field) if last else 0
+            if now > before:
+                metric.inc(now - before)
+        self._last = stats
+        for request in finished:
+            self.requests.labels(finish_reason=request.finish_reason).inc()
+            self.e2e.observe(request.e2e_latency)
+            if request.queue_time is not None:
+                self.queue.observe(request.queue_time)
+            if request.time_to_first_token is not None:
+                self.ttft.observe(request.time_to_first_token)
+            if request.time_per_output_token is not None:
+                self.tpot.observe(request.time_per_output_token)

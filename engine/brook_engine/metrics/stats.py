@@ -1,0 +1,57 @@
+"""Plain statistics the engine produces; no Prometheus here (``prometheus`` turns them into
+metrics), so the engine loop and tests deal in values only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot after a step: gauges as they are, counters as running totals."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of KV blocks held by live sequences
+    num_kv_blocks: int
+    num_prompt_tokens_total: int
+    num_generation_tokens_total: int
+    num_preemptions_total: int
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
+    comm_compute_overlap: float = 1.0  # 1 when nothing is communicated
+    memory_bytes: dict[str, int] = field(default_factory=dict)  # kind -> bytes
+
+
+@dataclass(frozen=True)
+class FinishedRequestStats:
+    """One request that ended (finished, stopped or aborted); monotonic times in seconds."""
+
+    finish_reason: str
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    arrival_time: float
+    scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.scheduled_time is None else self.scheduled_time - self.arrival_time
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        if self.first_token_time is None or self.num_generation_tokens < 2:
+            return None
+        decode = self.finished_time - self.first_token_time
+        return decode / (self.num_generation_tokens - 1)
+
+    @property
+    def e2e_latency(self) -> float:
+        return self.finished_time - self.arrival_time

@@ -1,0 +1,155 @@
+"""The engine thread behind the server: outputs reach their callers, an early close frees the
+blocks, a failed step ends only its requests, and stopping ends what is left."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from brook_engine import LLM, SamplingParams
+from brook_engine.async_engine import (
+    AsyncEngine,
+    EngineStepError,
+    EngineStoppedError,
+    SubRequest,
+)
+from brook_engine.llm_engine import RequestError
+from brook_engine.metrics.prometheus import EngineMetrics
+from brook_engine.scheduler import QueueFullError
+
+
+@pytest.fixture()
+def llm(make_tiny_model: Any) -> LLM:
+    path = Path(make_tiny_model("llama"))
+    return LLM(str(path), dtype="float32", device="cpu", num_blocks=64, progress=False)
+
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+
+async def drain(stream: Any) -> dict[int, Any]:
+    final = {}
+    async for index, output in stream:
+        if output.finished:
+            final[index] = output
+    return final
+
+
+def test_concurrent_calls_get_their_own_outputs(llm: LLM) -> None:
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+    async def run() -> list[list[int]]:
+        engine = AsyncEngine(llm.engine)
+        engine.start()
+        streams = [
+            await engine.add([SubRequest(f"r{i}", p, GREEDY)]) for i, p in enumerate(prompts)
+        ]
+        finals = await asyncio.gather(*(drain(s) for s in streams))
+        await engine.stop()
+        return [f[0].outputs[0].token_ids for f in finals]
+
+    assert asyncio.run(run()) == expected
+
+
+def test_closing_a_stream_aborts_and_frees_its_blocks(llm: LLM) -> None:
+    registry = CollectorRegistry()
+
+    async def run() -> None:
+        engine = AsyncEngine(llm.engine, EngineMetrics(registry, {"model": "tiny"}))
+        engine.start()
+        long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+        stream = await engine.add([SubRequest("a", [5, 6, 7], long), SubRequest("b", [8], long)])
+        await stream.__anext__()
+        assert llm.engine.block_manager.num_used_blocks > 0
+        stream.close()
+        for _ in range(200):
+            if not llm.engine.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.01)
+        await engine.stop()
+
+    asyncio.run(run())
+    manager = llm.engine.block_manager
+    assert manager.num_free_blocks == manager.num_blocks
+    manager.check_invariants()
+    aborted = registry.get_sample_value("brook_engine_requests_total", {"finish_reason": "abort"})
+    assert aborted == 2
+
+
+def test_refused_calls_raise_before_any_output(llm: LLM) -> None:
+    async def run() -> None:
+        engine = AsyncEngine(llm.engine)
+        engine.start()
+        with pytest.raises(RequestError, match="outside the vocabulary"):
+            await engine.add([SubRequest("ok", [5], GREEDY), SubRequest("bad", [10**6], GREEDY)])
+        assert not llm.engine.has_unfinished_requests()  # the good half did not stay behind
+        await engine.stop()
+
+    asyncio.run(run())
+
+
+def test_a_full_queue_is_refused(make_tiny_model: Any) -> None:
+    path = Path(make_tiny_model("llama"))
+    llm = LLM(
+        str(path), dtype="float32", device="cpu", num_blocks=64, progress=False,
+        scheduler={"max_num_seqs": 1, "max_waiting_requests": 0},
+    )  # fmt: skip
+
+    async def run() -> None:
+        engine = AsyncEngine(llm.engine)
+        engine.start()
+        with pytest.raises(QueueFullError):
+            await engine.add([SubRequest("a", [5], GREEDY)])
+        await engine.stop()
+
+    asyncio.run(run())
+
+
+def test_a_failed_step_ends_its_requests_and_the_engine_goes_on(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    execute = llm.engine.runner.execute
+    calls = {"n": 0}
+
+    def flaky(batch: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("device fell over")
+        return execute(batch)
+
+    monkeypatch.setattr(llm.engine.runner, "execute", flaky)
+
+    async def run() -> None:
+        engine = AsyncEngine(llm.engine)
+        engine.start()
+        stream = await engine.add([SubRequest("a", [5, 6], GREEDY)])
+        with pytest.raises(EngineStepError, match="device fell over"):
+            await drain(stream)
+        assert llm.engine.block_manager.num_used_blocks == 0
+        final = await drain(await engine.add([SubRequest("b", [5, 6], GREEDY)]))
+        assert len(final[0].outputs[0].token_ids) == 10
+        await engine.stop()
+
+    asyncio.run(run())
+
+
+def test_stop_ends_unfinished_requests(llm: LLM) -> None:
+    async def run() -> None:
+        engine = AsyncEngine(llm.engine)
+        engine.start()
+        long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+        stream = await engine.add([SubRequest("a", [5], long)])
+        await stream.__anext__()
+        await engine.stop()
+        with pytest.raises(EngineStoppedError):
+            await drain(stream)
+        with pytest.raises(EngineStoppedError):
+            await engine.add([SubRequest("b", [5], GREEDY)])
+
+    asyncio.run(run())
+    assert llm.engine.block_manager.num_used_blocks == 0

@@ -1,0 +1,78 @@
+"""Engine statistics become Prometheus metrics; the names module stays importable without
+torch or prometheus_client (the operator reads it)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from prometheus_client import CollectorRegistry
+
+from brook_engine.metrics import names
+from brook_engine.metrics.prometheus import EngineMetrics
+from brook_engine.metrics.stats import EngineStats, FinishedRequestStats
+
+
+def stats(**fields: object) -> EngineStats:
+    values: dict[str, object] = {
+        "num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0, "num_kv_blocks": 10,
+        "num_prompt_tokens_total": 0, "num_generation_tokens_total": 0,
+        "num_preemptions_total": 0, "memory_bytes": {"weights": 100, "kv_cache": 50},
+    }  # fmt: skip
+    values.update(fields)
+    return EngineStats(**values)  # type: ignore[arg-type]
+
+
+def test_counters_follow_the_running_totals_and_gauges_the_snapshot() -> None:
+    registry = CollectorRegistry()
+    metrics = EngineMetrics(registry, {"model": "m", "dtype": "bfloat16"})
+    metrics.record(stats(num_prompt_tokens_total=10, num_generation_tokens_total=3))
+    metrics.record(
+        stats(num_running=2, num_waiting=5, kv_cache_usage=0.25,
+              num_prompt_tokens_total=25, num_generation_tokens_total=9, num_preemptions_total=1),
+        [FinishedRequestStats("length", 7, 4, arrival_time=1.0, scheduled_time=1.5,
+                              first_token_time=2.0, finished_time=5.0)],
+    )  # fmt: skip
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, labels)
+
+    assert value(names.PROMPT_TOKENS_TOTAL) == 25
+    assert value(names.GENERATION_TOKENS_TOTAL) == 9
+    assert value(names.PREEMPTIONS_TOTAL) == 1
+    assert value(names.NUM_REQUESTS_RUNNING) == 2
+    for name in (names.NUM_REQUESTS_WAITING, names.GATEWAY_NUM_REQUESTS_WAITING,
+                 names.VLLM_NUM_REQUESTS_WAITING):  # fmt: skip
+        assert value(name) == 5
+    assert value(names.GATEWAY_KV_CACHE_USAGE_PERC) == 0.25
+    assert value(names.DEVICE_MEMORY_BYTES, kind="weights") == 100
+    assert value(names.MODEL_INFO, model="m", dtype="bfloat16") == 1
+    assert value(names.REQUESTS_TOTAL, finish_reason="length") == 1
+    assert value(names.REQUESTS_TOTAL, finish_reason="abort") == 0
+    assert value(names.TIME_TO_FIRST_TOKEN_SECONDS + "_sum") == 1.0
+    assert value(names.TIME_PER_OUTPUT_TOKEN_SECONDS + "_sum") == 1.0  # 3 s over 3 gaps
+    assert value(names.E2E_REQUEST_LATENCY_SECONDS + "_sum") == 4.0
+    assert value(names.REQUEST_QUEUE_TIME_SECONDS + "_sum") == 0.5
+
+
+def test_two_engines_in_one_process_do_not_collide() -> None:
+    EngineMetrics(CollectorRegistry(), {"model": "a"})
+    EngineMetrics(CollectorRegistry(), {"model": "b"})
+
+
+def test_an_aborted_request_without_tokens_has_no_latencies() -> None:
+    request = FinishedRequestStats("abort", 5, 0, 1.0, None, None, 2.0)
+    assert request.time_to_first_token is None
+    assert request.time_per_output_token is None
+    assert request.queue_time is None
+    assert request.e2e_latency == 1.0
+
+
+def test_the_names_module_needs_neither_torch_nor_prometheus() -> None:
+    code = (
+        "import sys, brook_engine.metrics.names as n; "
+        "assert n.KV_CACHE_USAGE_RATIO.startswith(n.PREFIX); "
+        "bad = {'torch', 'prometheus_client'} & set(sys.modules); "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
