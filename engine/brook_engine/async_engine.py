@@ -1,11 +1,13 @@
 """The engine on a thread of its own, for the HTTP server.
 
 ``LLMEngine`` is synchronous and not thread-safe. ``AsyncEngine`` gives it one dedicated
-thread that takes commands (add, abort, stop) from a queue between steps and runs steps while
-any request is unfinished; torch releases the GIL inside kernels, so the event loop stays
-responsive while a step runs. Outputs go back to the loop in one callback per step. Every
-request reaches its end: finished, aborted by its caller (its blocks freed at once), or
-failed with the error that stopped it.
+thread, on which it is also built and warmed up (``launch``): OpenMP keeps a thread pool per
+calling thread, and kernels issued from a second thread while the first one's pool lives run
+at about half speed on a small host. The thread takes commands (add, abort, stop) from a
+queue between steps and runs steps while any request is unfinished; torch releases the GIL
+inside kernels, so the event loop stays responsive while a step runs. Outputs go back to the
+loop in one callback per step. Every request reaches its end: finished, aborted by its caller
+(its blocks freed at once), or failed with the error that stopped it.
 """
 
 from __future__ import annotations
@@ -88,6 +90,35 @@ class AsyncEngine:
         self._stopped = False
 
     # -- lifecycle (event loop side) -----------------------------------------------------
+
+    @classmethod
+    async def launch(
+        cls, build: Callable[[], tuple[LLMEngine, EngineMetrics | None]]
+    ) -> AsyncEngine:
+        """Run ``build`` (load, warm up, make the metrics) on a new engine thread, which then
+        serves. Raises what ``build`` raised."""
+        loop = asyncio.get_running_loop()
+        built: asyncio.Future[AsyncEngine] = loop.create_future()
+
+        def main() -> None:
+            try:
+                engine, metrics = build()
+                self = cls(engine, metrics)
+                self._loop = loop
+                self._thread = threading.current_thread()
+                self._record()
+            except BaseException as exc:
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(_settle_with, built, None, exc)
+                return
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_settle_with, built, self, None)
+            self._run()
+
+        threading.Thread(target=main, name="brook-engine", daemon=True).start()
+        # Cancelling this call (shutdown while loading) cancels ``built``; the engine is then
+        # stopped as soon as it exists.
+        return await built
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -241,6 +272,20 @@ def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
         future.set_result(None)
     else:
         future.set_exception(error)
+
+
+def _settle_with(
+    future: asyncio.Future[AsyncEngine], engine: AsyncEngine | None, error: BaseException | None
+) -> None:
+    if future.cancelled():
+        if engine is not None:
+            engine._stopped = True
+            engine._commands.put(("stop", None))
+        return
+    if engine is not None:
+        future.set_result(engine)
+    else:
+        future.set_exception(error or RuntimeError("the engine was not built"))
 
 
 def _put_all(routed: list[tuple[_Sink, RequestOutput | BaseException]]) -> None:

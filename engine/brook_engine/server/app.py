@@ -84,16 +84,21 @@ def build_app(
 
     async def load() -> None:
         try:
-            engine = await asyncio.to_thread(LLMEngine, config)
-            seconds = await asyncio.to_thread(engine.warm_up)
-            metrics = EngineMetrics(registry, _info(config, engine))
-            state.engine = AsyncEngine(engine, metrics)
-            state.engine.start()
+            warm_up_s = 0.0
+
+            def build() -> tuple[LLMEngine, EngineMetrics]:
+                nonlocal warm_up_s
+                engine = LLMEngine(config)
+                warm_up_s = engine.warm_up()
+                return engine, EngineMetrics(registry, _info(config, engine))
+
+            state.engine = await AsyncEngine.launch(build)
+            engine = state.engine.engine
             state.tokenizer = engine.tokenizer
             state.max_model_len = engine.max_model_len
             state.vocab_size = engine.arch.vocab_size
             state.is_ready = True
-            log.info("ready: %s (warm-up %.2f s)", state.served_name, seconds)
+            log.info("ready: %s (warm-up %.2f s)", state.served_name, warm_up_s)
         except Exception as exc:
             log.error("the model failed to load: %s", exc)
             if on_fatal is not None:

@@ -153,3 +153,40 @@ def test_stop_ends_unfinished_requests(llm: LLM) -> None:
 
     asyncio.run(run())
     assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_launch_builds_and_steps_on_one_thread(llm: LLM) -> None:
+    """OpenMP keeps a pool per calling thread: the engine must be built, warmed up and
+    stepped on the same one."""
+    import threading
+
+    seen: set[str] = set()
+    original_step = llm.engine.step
+
+    def step() -> Any:
+        seen.add(threading.current_thread().name + str(threading.get_ident()))
+        return original_step()
+
+    def build() -> tuple[Any, None]:
+        seen.add(threading.current_thread().name + str(threading.get_ident()))
+        llm.engine.step = step  # type: ignore[method-assign]
+        return llm.engine, None
+
+    async def run() -> None:
+        engine = await AsyncEngine.launch(build)
+        await drain(await engine.add([SubRequest("a", [5, 6, 7], GREEDY)]))
+        await engine.stop()
+
+    asyncio.run(run())
+    assert len(seen) == 1 and next(iter(seen)).startswith("brook-engine")
+
+
+def test_launch_raises_what_the_build_raised() -> None:
+    def build() -> tuple[Any, None]:
+        raise FileNotFoundError("model.path: no such folder")
+
+    async def run() -> None:
+        await AsyncEngine.launch(build)
+
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        asyncio.run(run())
