@@ -38,12 +38,14 @@ test: $(VENV)/.dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/mypy tests/support
 	$(BIN)/lint-imports
 	$(BIN)/pytest
 
 ## Regenerate crds/llminference.yaml and docs/crd-reference.md from the API models.
 crd: $(VENV)/.engine
 	$(BIN)/brook crd > crds/llminference.yaml
+	cp crds/llminference.yaml charts/brook/files/llminference.yaml
 	$(BIN)/brook crd --reference > docs/crd-reference.md
 
 clean:

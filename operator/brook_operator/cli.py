@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 import sys
 from collections.abc import Sequence
 
@@ -12,7 +14,7 @@ from brook_operator.crd.generate import crd_yaml
 from brook_operator.crd.reference import reference_markdown
 from brook_operator.crd.validate import validate_object
 from brook_operator.manifests import Manifest, ManifestError, load_manifests
-from brook_operator.render import engine_config_map
+from brook_operator.render import OperatorSettings, render_children
 
 
 def _cmd_crd(args: argparse.Namespace) -> int:
@@ -55,6 +57,7 @@ def _cmd_render(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     valid, count = _validated(manifests)
+    settings = OperatorSettings(engine_image=args.engine_image or OperatorSettings.engine_image)
     objects = []
     for manifest in valid:
         llmi = LLMInference.model_validate(manifest.obj)
@@ -65,9 +68,51 @@ def _cmd_render(args: argparse.Namespace) -> int:
             f"({shape.workload}), {shape.devices_per_replica} device(s) per replica",
             file=sys.stderr,
         )
-        objects.append(engine_config_map(llmi))
+        objects.extend(render_children(llmi, settings))
     sys.stdout.write(yaml_output.dump_all(objects))
     return 1 if count else 0
+
+
+def _cmd_operator(args: argparse.Namespace) -> int:
+    import logging
+
+    import kopf
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from brook_operator import handlers
+    from brook_operator.controller import Reconciler
+    from brook_operator.kube import KubeClient
+    from brook_operator.operator_metrics import OperatorMetrics
+
+    if not args.all_namespaces and not args.namespace:
+        print("error: pass --all-namespaces or --namespace NS (repeatable)", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if args.kubeconfig:
+        os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's own login reads it too
+    settings = OperatorSettings(engine_image=args.engine_image or OperatorSettings.engine_image)
+    registry = CollectorRegistry()
+    start_http_server(args.metrics_port, addr=args.metrics_address, registry=registry)
+    memo = kopf.Memo(
+        reconciler=Reconciler(KubeClient.from_environment(args.kubeconfig), settings),
+        metrics=OperatorMetrics(registry),
+    )
+    del handlers  # imported for its registrations
+    # An explicit identity: kopf's default asks getpass for a user name, which fails for a
+    # uid without a passwd entry (the image's non-root user).
+    identity = os.environ.get("POD_NAME") or socket.gethostname()
+    kopf.run(
+        identity=identity,  # type: ignore[arg-type]  # kopf.Identity is a NewType of str
+        standalone=True,
+        clusterwide=args.all_namespaces,
+        namespaces=args.namespace or (),
+        liveness_endpoint=f"http://{args.health_address}:{args.health_port}/healthz",
+        memo=memo,
+    )
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,10 +137,30 @@ def build_parser() -> argparse.ArgumentParser:
     validate.set_defaults(func=_cmd_validate)
 
     render = sub.add_parser(
-        "render", help="print the engine configuration each LLMInference's pods get"
+        "render", help="print the objects the operator creates for each LLMInference"
     )
     render.add_argument("-f", "--filename", action="append", required=True, help=files_help)
+    render.add_argument("--engine-image", help="engine image of resources without spec.image")
     render.set_defaults(func=_cmd_render)
+
+    operator = sub.add_parser(
+        "operator", help="run the controller that turns LLMInference resources into pods"
+    )
+    scope = operator.add_mutually_exclusive_group()
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace")
+    scope.add_argument(
+        "-n", "--namespace", action="append", help="watch this namespace (repeatable)"
+    )
+    operator.add_argument("--engine-image", help="engine image of resources that set no spec.image")
+    operator.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics")
+    operator.add_argument("--metrics-address", default="0.0.0.0", help="address of /metrics")
+    operator.add_argument("--health-port", type=int, default=8080, help="liveness at /healthz")
+    operator.add_argument("--health-address", default="0.0.0.0", help="address of /healthz")
+    operator.add_argument(
+        "--kubeconfig", help="kubeconfig outside a cluster (default: KUBECONFIG or ~/.kube)"
+    )
+    operator.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    operator.set_defaults(func=_cmd_operator)
     return parser
 
 

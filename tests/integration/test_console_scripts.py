@@ -35,6 +35,7 @@ def test_brook_validates_and_renders_the_examples() -> None:
     assert "2 pod(s) (LeaderWorkerSet), 8 device(s) per replica" in result.stderr
     assert "name: qwen-110b-engine" in result.stdout
     assert "engine.yaml: |" in result.stdout
+    assert "kind: LeaderWorkerSet" in result.stdout and "kind: PodDisruptionBudget" in result.stdout
 
 
 def test_brook_crd_prints_the_committed_crd() -> None:
@@ -60,7 +61,7 @@ def test_brook_engine_checks_a_mounted_config(tmp_path: Path) -> None:
     rendered = _run(_script("brook"), "render", "-f", "crds/examples/tiny-cpu.yaml").stdout
     import yaml
 
-    config_map = yaml.safe_load(rendered)
+    config_map = next(yaml.safe_load_all(rendered))
     mounted = tmp_path / "engine.yaml"
     mounted.write_text(config_map["data"]["engine.yaml"])
     result = _run(_script("brook-engine"), "config", "--config", str(mounted))

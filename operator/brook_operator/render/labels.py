@@ -6,6 +6,8 @@ from brook_operator import __version__
 from brook_operator.api import LLMInference
 
 INSTANCE_LABEL = "brook.dev/llminference"
+#: leader (serves the API; the only pod of a single-pod replica) or worker.
+ROLE_LABEL = "brook.dev/role"
 
 
 def selector_labels(llmi: LLMInference) -> dict[str, str]:

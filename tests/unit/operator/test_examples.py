@@ -90,12 +90,16 @@ def test_engine_sections_parse_into_exactly_the_mounted_engine_config(
     )
     assert direct == config
 
-    # The ConfigMap carries it as a file the engine loads back unchanged.
+    # The ConfigMap carries it as a file the engine loads back unchanged, but for the model's
+    # URI: inside the pod the model is a local folder (mounted or fetched there).
     config_map = engine_config_map(llmi)
     mounted = tmp_path / ENGINE_CONFIG_FILE
     mounted.write_text(config_map["data"][ENGINE_CONFIG_FILE])
-    assert load_engine_config(mounted) == config
-    assert config_map["data"][ENGINE_CONFIG_FILE] == dump_engine_config(config)
+    loaded = load_engine_config(mounted)
+    assert loaded.model.uri.startswith("file:///")
+    assert loaded.model.model_copy(update={"uri": config.model.uri}) == config.model
+    assert loaded.model_copy(update={"model": config.model}) == config
+    assert config_map["data"][ENGINE_CONFIG_FILE] == dump_engine_config(loaded)
 
 
 def test_topology_of_the_examples() -> None:

@@ -1,0 +1,150 @@
+"""``status`` of an ``LLMInference`` from what its workload reports (pure)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from brook_operator.api import LLMInference, topology
+from brook_operator.render import ROLE_LABEL, endpoint, selector_labels
+
+
+def spec_error(exc: ValidationError) -> str:
+    """One line naming each bad field, as ``kubectl describe`` shows it."""
+    parts = []
+    for error in exc.errors():
+        where = ".".join(str(p) for p in error["loc"])
+        parts.append(f"{where}: {error['msg'].removeprefix('Value error, ')}")
+    return "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What the operator saw this round."""
+
+    workload: dict[str, Any] | None
+    """The Deployment or LeaderWorkerSet, as read back (None when absent)."""
+
+    desired_replicas: int
+    lws_missing: bool = False
+    """A multi-pod replica needs LeaderWorkerSet and its CRD is not installed."""
+
+    error: str | None = None
+    """Why the last apply failed, if it did."""
+
+
+def _condition(
+    previous: dict[str, dict[str, Any]],
+    kind: str,
+    status: bool,
+    reason: str,
+    message: str,
+    generation: int | None,
+    now: str,
+) -> dict[str, Any]:
+    value = "True" if status else "False"
+    before = previous.get(kind) or {}
+    changed = before.get("status") != value
+    return {
+        "type": kind,
+        "status": value,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": now if changed else before.get("lastTransitionTime", now),
+        "observedGeneration": generation,
+    }
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def invalid_status(body: dict[str, Any], message: str, now: str | None = None) -> dict[str, Any]:
+    """Status of a resource whose spec the operator cannot run."""
+    now = now or _now()
+    status = body.get("status") or {}
+    previous = {c["type"]: c for c in status.get("conditions") or [] if "type" in c}
+    generation = (body.get("metadata") or {}).get("generation")
+    conditions = [
+        _condition(previous, "SpecValid", False, "InvalidSpec", message, generation, now),
+        _condition(previous, "Ready", False, "InvalidSpec", "the spec cannot run", generation, now),
+    ]
+    keep = [c for t, c in previous.items() if t not in ("SpecValid", "Ready")]
+    return {"observedGeneration": generation, "conditions": conditions + keep}
+
+
+def compute_status(
+    llmi: LLMInference,
+    observed: Observed,
+    previous_status: dict[str, Any] | None = None,
+    now: str | None = None,
+) -> dict[str, Any]:
+    """The status fields the operator owns (the autoscaler's stay as they are)."""
+    now = now or _now()
+    generation = llmi.metadata.generation
+    previous = {
+        c["type"]: c for c in (previous_status or {}).get("conditions") or [] if "type" in c
+    }
+    workload = observed.workload or {}
+    wstatus = workload.get("status") or {}
+    desired = observed.desired_replicas
+    replicas = int(wstatus.get("replicas") or 0)
+    ready = int(wstatus.get("readyReplicas") or 0)
+    updated = int(wstatus.get("updatedReplicas") or 0)
+    synced = observed.workload is not None and (workload.get("metadata") or {}).get(
+        "generation"
+    ) == wstatus.get("observedGeneration", (workload.get("metadata") or {}).get("generation"))
+
+    def condition(kind: str, status: bool, reason: str, message: str) -> dict[str, Any]:
+        return _condition(previous, kind, status, reason, message, generation, now)
+
+    conditions = [condition("SpecValid", True, "Valid", "the spec is valid")]
+    if observed.lws_missing:
+        conditions.append(
+            condition(
+                "Degraded",
+                True,
+                "LeaderWorkerSetMissing",
+                f"a replica spans {topology(llmi.spec).pods_per_replica} pods and needs the "
+                "LeaderWorkerSet API (leaderworkerset.x-k8s.io); install it: "
+                "https://lws.sigs.k8s.io/docs/installation/",
+            )
+        )
+    elif observed.error:
+        conditions.append(condition("Degraded", True, "ApplyFailed", observed.error))
+    else:
+        conditions.append(condition("Degraded", False, "AsExpected", "children applied"))
+    if llmi.spec.suspend:
+        conditions.append(condition("Ready", False, "Suspended", "spec.suspend is true"))
+    elif desired > 0 and ready >= desired:
+        conditions.append(
+            condition("Ready", True, "ReplicasReady", f"{ready}/{desired} replicas ready")
+        )
+    else:
+        conditions.append(
+            condition("Ready", False, "ReplicasNotReady", f"{ready}/{desired} replicas ready")
+        )
+    rolling = observed.workload is not None and (
+        not synced or updated < desired or ready < desired or replicas > desired
+    )
+    if rolling:
+        message = f"{updated}/{desired} replicas updated, {ready} ready"
+        conditions.append(condition("Progressing", True, "RollingOut", message))
+    else:
+        conditions.append(condition("Progressing", False, "Complete", "no rollout in progress"))
+    own = {c["type"] for c in conditions}
+    conditions += [c for t, c in previous.items() if t not in own]
+    selector = {**selector_labels(llmi), ROLE_LABEL: "leader"}
+    return {
+        "observedGeneration": generation,
+        "replicas": replicas,
+        "readyReplicas": ready,
+        "desiredReplicas": desired,
+        "selector": ",".join(f"{k}={v}" for k, v in selector.items()),
+        "topology": topology(llmi.spec).model_dump(by_alias=True),
+        "endpoint": endpoint(llmi),
+        "conditions": conditions,
+    }

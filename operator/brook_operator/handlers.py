@@ -1,0 +1,168 @@
+"""kopf glue: thin handlers that call the reconciler and record what happened.
+
+- create / update / resume of an LLMInference → ``Reconciler.reconcile`` (apply children,
+  write status); API errors retry with exponential backoff.
+- an event on a child Deployment or LeaderWorkerSet → status of its owner (no apply).
+- deletion → nothing: children carry owner references and the garbage collector removes
+  them, so no finalizer holds the resource.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, cast
+
+import kopf
+
+from brook_operator.api import GROUP, PLURAL, VERSION
+from brook_operator.controller import Reconciler, ReconcileResult
+from brook_operator.controller.reconcile import LWS_API_VERSION
+from brook_operator.kube import KubeClient, KubeError
+from brook_operator.operator_metrics import OperatorMetrics
+from brook_operator.rbac import LWS_GROUP
+from brook_operator.render import OperatorSettings
+from brook_operator.render.labels import INSTANCE_LABEL
+
+log = logging.getLogger(__name__)
+
+RESOURCE = (GROUP, VERSION, PLURAL)
+_CHILD_LABELS = {"app.kubernetes.io/managed-by": "brook-operator"}
+#: Seconds between retries of a failed reconciliation: 1, 2, 4, ... up to 5 minutes.
+MAX_BACKOFF_SECONDS = 300.0
+
+
+def backoff(retry: int) -> float:
+    return float(min(2**retry, MAX_BACKOFF_SECONDS))
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    settings.posting.level = logging.INFO
+    settings.watching.server_timeout = 300
+    settings.networking.error_backoffs = [1, 2, 5, 10, 30, 60]
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
+    if "reconciler" not in memo:
+        operator_settings = memo.get("settings") or OperatorSettings(
+            engine_image=os.environ.get("BROOK_ENGINE_IMAGE") or OperatorSettings.engine_image
+        )
+        memo["reconciler"] = Reconciler(KubeClient.from_environment(), operator_settings)
+    if "metrics" not in memo:
+        from prometheus_client import CollectorRegistry
+
+        memo["metrics"] = OperatorMetrics(CollectorRegistry())
+
+
+def _conditions(status: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    return {c["type"]: c for c in (status or {}).get("conditions") or [] if "type" in c}
+
+
+def _post_transitions(
+    body: kopf.Body, before: dict[str, Any] | None, after: dict[str, Any]
+) -> None:
+    """A Kubernetes Event for each condition that changed (Warning when it went bad)."""
+    old = _conditions(before)
+    bad_when_true = {"Degraded"}
+    for kind, condition in _conditions(after).items():
+        previous = old.get(kind)
+        if previous is not None and previous.get("status") == condition["status"]:
+            continue
+        if previous is None and kind == "Progressing":
+            continue
+        good = (condition["status"] == "True") != (kind in bad_when_true)
+        kopf.event(
+            body,
+            type="Normal" if good else "Warning",
+            reason=condition.get("reason") or kind,
+            message=f"{kind}={condition['status']}: {condition.get('message', '')}",
+        )
+
+
+@kopf.on.resume(*RESOURCE)
+@kopf.on.create(*RESOURCE)
+@kopf.on.update(*RESOURCE)
+def reconcile(body: kopf.Body, memo: kopf.Memo, retry: int, **_: Any) -> None:
+    reconciler: Reconciler = memo["reconciler"]
+    metrics: OperatorMetrics = memo["metrics"]
+    started = time.perf_counter()
+    before = dict(body.get("status") or {})
+    try:
+        result: ReconcileResult = reconciler.reconcile(dict(body))
+    except KubeError as exc:  # the status write itself failed
+        metrics.errors.labels(str(exc.status)).inc()
+        metrics.reconciles.labels("error").inc()
+        raise kopf.TemporaryError(str(exc), delay=backoff(retry)) from None
+    finally:
+        metrics.duration.observe(time.perf_counter() - started)
+    spec_valid = _conditions(result.status).get("SpecValid", {}).get("status") == "True"
+    metadata = body.get("metadata") or {}
+    metrics.track(
+        metadata.get("namespace"),
+        str(metadata.get("name")),
+        [kind for kind, _ in result.applied] if spec_valid else None,
+        spec_valid,
+    )
+    _post_transitions(body, before, result.status)
+    if result.error is not None:
+        metrics.errors.labels(str(result.error.status)).inc()
+        metrics.reconciles.labels("error").inc()
+        raise kopf.TemporaryError(str(result.error), delay=backoff(retry))
+    metrics.reconciles.labels("applied" if spec_valid else "invalid").inc()
+
+
+@kopf.on.delete(*RESOURCE, optional=True)
+def forget(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """Bookkeeping only (``optional``: no finalizer, garbage collection does the work)."""
+    metadata = body.get("metadata") or {}
+    memo["metrics"].forget(metadata.get("namespace"), str(metadata.get("name")))
+
+
+def _refresh_owner(body: kopf.Body, memo: kopf.Memo) -> None:
+    metadata = body.get("metadata") or {}
+    owner = (metadata.get("labels") or {}).get(INSTANCE_LABEL)
+    if not owner:
+        return
+    reconciler: Reconciler = memo["reconciler"]
+    try:
+        llmi = reconciler.kube.get(
+            f"{GROUP}/{VERSION}", "LLMInference", metadata.get("namespace"), owner
+        )
+        if llmi is None:
+            return
+        before = dict(llmi.get("status") or {})
+        status = reconciler.refresh_status(llmi)
+        if status is not None:
+            _post_transitions(cast(kopf.Body, llmi), before, status)
+    except KubeError as exc:
+        memo["metrics"].errors.labels(str(exc.status)).inc()
+        log.warning("%s: status refresh failed: %s", owner, exc)
+
+
+@kopf.on.event("apps", "v1", "deployments", labels=_CHILD_LABELS)
+def deployment_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    _refresh_owner(body, memo)
+
+
+@kopf.on.event(LWS_GROUP, LWS_API_VERSION.split("/")[1], "leaderworkersets", labels=_CHILD_LABELS)
+def leader_worker_set_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    _refresh_owner(body, memo)
+
+
+@kopf.timer(*RESOURCE, interval=60, initial_delay=60)
+def refresh(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """A safety net: status for a missed child event, and a full reconcile while Degraded
+    (the LeaderWorkerSet CRD may have been installed since, or the API recovered)."""
+    reconciler: Reconciler = memo["reconciler"]
+    degraded = _conditions(body.get("status")).get("Degraded", {}).get("status") == "True"
+    try:
+        if degraded:
+            before = dict(body.get("status") or {})
+            result = reconciler.reconcile(dict(body))
+            _post_transitions(body, before, result.status)
+        else:
+            reconciler.refresh_status(dict(body))
+    except KubeError as exc:
+        memo["metrics"].errors.labels(str(exc.status)).inc()
+        log.warning("status refresh failed: %s", exc)

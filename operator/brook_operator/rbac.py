@@ -1,0 +1,64 @@
+"""Every Kubernetes permission the operator uses, and nothing else.
+
+The Helm chart's (Cluster)Role is rendered from the same list (a test compares them), and
+the integration tests record the operator's requests against the API and check that each
+one is covered here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from brook_operator.api import GROUP, PLURAL
+
+LWS_GROUP = "leaderworkerset.x-k8s.io"
+
+#: Server-side apply of a child: create when it is new, patch after.
+APPLY_VERBS = ("create", "patch")
+#: The workload also has its status read, its events followed (kopf lists and watches it)
+#: and is deleted when the topology changes kind (Deployment ↔ LeaderWorkerSet).
+WORKLOAD_VERBS = ("get", "list", "watch", "create", "patch", "delete")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One PolicyRule: API group, resources, verbs."""
+
+    api_group: str
+    resources: tuple[str, ...]
+    verbs: tuple[str, ...]
+
+    def as_policy_rule(self) -> dict[str, list[str]]:
+        return {
+            "apiGroups": [self.api_group],
+            "resources": list(self.resources),
+            "verbs": list(self.verbs),
+        }
+
+
+#: Rules in the namespaces the operator watches (a Role per namespace, or a ClusterRole).
+NAMESPACED_RULES: tuple[Rule, ...] = (
+    # The resource: kopf lists and watches it and patches its annotations (handler progress);
+    # a child's event reads its owner; status is written through the subresource.
+    Rule(GROUP, (PLURAL,), ("get", "list", "watch", "patch")),
+    Rule(GROUP, (f"{PLURAL}/status",), ("patch",)),
+    # The children.
+    Rule("", ("configmaps", "services"), APPLY_VERBS),
+    Rule("policy", ("poddisruptionbudgets",), APPLY_VERBS),
+    Rule("apps", ("deployments",), WORKLOAD_VERBS),
+    Rule(LWS_GROUP, ("leaderworkersets",), WORKLOAD_VERBS),
+    # Kubernetes Events on the resource (kopf posts core/v1 Events).
+    Rule("", ("events",), ("create",)),
+)
+
+#: Cluster-scoped rules: kopf discovers custom resources through their definitions (the
+#: operator also learns from them whether LeaderWorkerSet is installed), and in
+#: namespace-scoped mode kopf follows the namespaces it was given.
+CLUSTER_RULES: tuple[Rule, ...] = (
+    Rule("apiextensions.k8s.io", ("customresourcedefinitions",), ("list", "watch")),
+    Rule("", ("namespaces",), ("list", "watch")),
+)
+
+
+def policy_rules(rules: tuple[Rule, ...]) -> list[dict[str, list[str]]]:
+    return [rule.as_policy_rule() for rule in rules]

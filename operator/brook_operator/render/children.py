@@ -1,0 +1,50 @@
+"""Everything one ``LLMInference`` becomes, in the order it is applied."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from brook_operator.api import LLMInference
+from brook_operator.render.config_map import engine_config_map
+from brook_operator.render.services import api_service, disruption_budget
+from brook_operator.render.settings import OperatorSettings
+from brook_operator.render.workload import desired_replicas, workload
+
+#: (apiVersion, kind) of the children a spec change can make unwanted: the workload kind
+#: changes when a replica grows past one node (or shrinks back). The other children always
+#: exist under fixed names, so they are only ever applied.
+PRUNABLE_KINDS: tuple[tuple[str, str], ...] = (
+    ("apps/v1", "Deployment"),
+    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"),
+)
+
+
+def render_children(
+    llmi: LLMInference, settings: OperatorSettings, autoscaled: int | None = None
+) -> list[dict[str, Any]]:
+    """The children of ``llmi`` (without owner references, which need its uid). The config
+    comes first so that pods never start without it."""
+    replicas = desired_replicas(llmi, autoscaled)
+    return [
+        engine_config_map(llmi, settings),
+        api_service(llmi),
+        workload(llmi, settings, replicas),
+        disruption_budget(llmi),
+    ]
+
+
+def with_owner(child: dict[str, Any], llmi: LLMInference) -> dict[str, Any]:
+    """``child`` owned by ``llmi`` (garbage-collected with it)."""
+    if llmi.metadata.uid is None:
+        raise ValueError(f"{llmi.metadata.name}: metadata.uid is needed to own children")
+    owner = {
+        "apiVersion": llmi.api_version,
+        "kind": llmi.kind,
+        "name": llmi.metadata.name,
+        "uid": llmi.metadata.uid,
+        "controller": True,
+        # No blockOwnerDeletion: it would need update on llminferences/finalizers where the
+        # OwnerReferencesPermissionEnforcement admission plugin runs, and background
+        # deletion does not wait for it.
+    }
+    return {**child, "metadata": {**child["metadata"], "ownerReferences": [owner]}}

@@ -1,0 +1,142 @@
+"""Where a pod finds its model: a volume, maybe an init container that fetches it, and the
+local folder the engine then loads.
+
+- ``file://PATH``: a folder inside the image; nothing to mount.
+- ``pvc://CLAIM/PATH``: the claim mounted read-only at ``/models``.
+- ``hf://ORG/NAME``, ``s3://BUCKET/PREFIX``, ``oci://REGISTRY/REPO:TAG``: an init container
+  downloads into an emptyDir at ``/models`` (the Hugging Face CLI from the engine image, the
+  AWS CLI, ORAS); the credentials Secret reaches only that container.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from brook_engine.config import split_model_uri
+from brook_operator.api import LLMInferenceSpec
+from brook_operator.render.settings import OperatorSettings
+
+MODELS_DIR = "/models"
+MODEL_VOLUME = "model"
+_CREDENTIALS_VOLUME = "model-credentials"
+_CREDENTIALS_DIR = "/var/run/secrets/brook/model-credentials"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    local_path: str
+    """The folder the engine loads, inside the pod."""
+
+    volumes: list[dict[str, Any]] = field(default_factory=list)
+    mounts: list[dict[str, Any]] = field(default_factory=list)
+    """Mounts of the engine container."""
+
+    init_containers: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _fetch_container(
+    name: str, image: str, command: list[str], env: list[dict[str, Any]], secret_mount: bool
+) -> dict[str, Any]:
+    mounts: list[dict[str, Any]] = [{"name": MODEL_VOLUME, "mountPath": MODELS_DIR}]
+    if secret_mount:
+        mounts.append(
+            {"name": _CREDENTIALS_VOLUME, "mountPath": _CREDENTIALS_DIR, "readOnly": True}
+        )
+    return {
+        "name": name,
+        "image": image,
+        "command": command,
+        "env": env,
+        "volumeMounts": mounts,
+        "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
+        # The restricted profile applies here too; HOME points at the writable volume.
+        "securityContext": restricted_container_context(),
+    }
+
+
+def restricted_container_context() -> dict[str, Any]:
+    """A container security context that meets the Pod Security Standards' restricted
+    profile, with a read-only root filesystem."""
+    return {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def model_source(spec: LLMInferenceSpec, settings: OperatorSettings) -> ModelSource:
+    scheme, rest = split_model_uri(spec.model.uri)
+    rest = rest.strip("/")
+    if scheme == "file":
+        return ModelSource(local_path="/" + rest)
+    if scheme == "pvc":
+        claim, _, sub_path = rest.partition("/")
+        return ModelSource(
+            local_path=f"{MODELS_DIR}/{sub_path}".rstrip("/"),
+            volumes=[
+                {
+                    "name": MODEL_VOLUME,
+                    "persistentVolumeClaim": {"claimName": claim, "readOnly": True},
+                }
+            ],
+            mounts=[{"name": MODEL_VOLUME, "mountPath": MODELS_DIR, "readOnly": True}],
+        )
+    local = f"{MODELS_DIR}/{rest.replace(':', '/')}"
+    ref = spec.model.credentials_secret_ref
+    env: list[dict[str, Any]] = [{"name": "HOME", "value": f"{MODELS_DIR}/.home"}]
+    volumes: list[dict[str, Any]] = [
+        {
+            "name": MODEL_VOLUME,
+            "emptyDir": {"sizeLimit": settings.model_cache_size_limit}
+            if settings.model_cache_size_limit
+            else {},
+        }
+    ]
+    secret_mount = False
+    if scheme == "hf":
+        command = ["hf", "download", rest, "--local-dir", local]
+        if spec.model.revision:
+            command += ["--revision", spec.model.revision]
+        env.append({"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"})
+        if ref is not None:
+            env.append(
+                {
+                    "name": "HF_TOKEN",
+                    "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
+                }
+            )
+        init = _fetch_container("fetch-model", settings.engine_image, command, env, False)
+    else:
+        if ref is not None:
+            # The Secret key holds the tool's credentials file: an AWS shared-credentials
+            # file for s3, a Docker config.json for oci.
+            secret_mount = True
+            volumes.append(
+                {
+                    "name": _CREDENTIALS_VOLUME,
+                    "secret": {
+                        "secretName": ref.name,
+                        "items": [{"key": ref.key, "path": "credentials"}],
+                    },
+                }
+            )
+        credentials = f"{_CREDENTIALS_DIR}/credentials"
+        if scheme == "s3":
+            command = ["aws", "s3", "sync", "--only-show-errors", f"s3://{rest}", local]
+            if secret_mount:
+                env.append({"name": "AWS_SHARED_CREDENTIALS_FILE", "value": credentials})
+        else:  # oci
+            command = ["oras", "pull", rest, "--output", local]
+            if secret_mount:
+                command += ["--registry-config", credentials]
+        image = settings.fetcher_images[scheme]
+        init = _fetch_container("fetch-model", image, command, env, secret_mount)
+    return ModelSource(
+        local_path=local,
+        volumes=volumes,
+        mounts=[{"name": MODEL_VOLUME, "mountPath": MODELS_DIR, "readOnly": True}],
+        init_containers=[init],
+    )

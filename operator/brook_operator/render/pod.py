@@ -1,0 +1,208 @@
+"""The engine pod: one container running ``brook-engine serve`` on the mounted config, with
+its devices, rendezvous and HCCL settings, probes, volumes and a restricted security
+context."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from brook_operator.api import API_KEY_PATH, LLMInference, topology
+from brook_operator.render.config_map import ENGINE_CONFIG_FILE, config_map_name
+from brook_operator.render.labels import ROLE_LABEL, child_labels
+from brook_operator.render.model_source import model_source, restricted_container_context
+from brook_operator.render.settings import RENDEZVOUS_PORT, OperatorSettings
+
+CONFIG_DIR = "/etc/brook"
+ENGINE_CONTAINER = "engine"
+#: LeaderWorkerSet's label holding a pod's index inside its group (0 = the leader), and the
+#: env var it injects with the leader's address.
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+LWS_LEADER_ADDRESS_ENV = "LWS_LEADER_ADDRESS"
+#: Non-root user of the engine image.
+ENGINE_UID = 1000
+
+Role = Literal["leader", "worker"]
+
+
+def _field_env(name: str, path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def _env(llmi: LLMInference, multi_pod: bool) -> list[dict[str, Any]]:
+    spec = llmi.spec
+    shape = topology(spec)
+    env: list[dict[str, Any]] = [
+        _field_env("POD_NAME", "metadata.name"),
+        _field_env("POD_NAMESPACE", "metadata.namespace"),
+        _field_env("POD_IP", "status.podIP"),
+        # torch.distributed rendezvous: the replica's leader runs the TCP store; a pod's
+        # first global rank is POD_RANK × DEVICES_PER_POD.
+        {"name": "BROOK_WORLD_SIZE", "value": str(shape.devices_per_replica)},
+        {"name": "BROOK_NUM_PODS", "value": str(shape.pods_per_replica)},
+        {"name": "BROOK_DEVICES_PER_POD", "value": str(shape.devices_per_pod)},
+    ]
+    if multi_pod:
+        env += [
+            _field_env("BROOK_POD_RANK", f"metadata.labels['{LWS_WORKER_INDEX_LABEL}']"),
+            # LeaderWorkerSet puts its variables first in the container's env, so this
+            # reference expands to the group leader's DNS name.
+            {"name": "MASTER_ADDR", "value": f"$({LWS_LEADER_ADDRESS_ENV})"},
+        ]
+    else:
+        env += [
+            {"name": "BROOK_POD_RANK", "value": "0"},
+            {"name": "MASTER_ADDR", "value": "127.0.0.1"},
+        ]
+    env.append({"name": "MASTER_PORT", "value": str(RENDEZVOUS_PORT)})
+    if spec.accelerator.type == "npu":
+        hccl = spec.accelerator.hccl
+        env.append({"name": "HCCL_IF_IP", "value": "$(POD_IP)"})
+        if hccl.socket_ifname:
+            env.append({"name": "HCCL_SOCKET_IFNAME", "value": hccl.socket_ifname})
+        env += [
+            {"name": "HCCL_CONNECT_TIMEOUT", "value": str(hccl.connect_timeout_seconds)},
+            {"name": "HCCL_BUFFSIZE", "value": str(hccl.buffer_size_mb)},
+        ]
+    env.append({"name": "HOME", "value": "/tmp"})
+    return env
+
+
+def _resources(llmi: LLMInference) -> dict[str, Any]:
+    spec = llmi.spec
+    requests: dict[str, Any] = dict(spec.resources.requests)
+    limits: dict[str, Any] = dict(spec.resources.limits)
+    resource = spec.accelerator.effective_resource_name
+    if resource is not None:
+        devices = topology(spec).devices_per_pod
+        requests[resource] = devices
+        limits[resource] = devices
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _probes() -> dict[str, Any]:
+    return {
+        # Loading a large checkpoint takes minutes: up to an hour before liveness applies.
+        "startupProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 10,
+            "failureThreshold": 360,
+        },
+        "readinessProbe": {
+            "httpGet": {"path": "/ready", "port": "http"},
+            "periodSeconds": 5,
+            "failureThreshold": 3,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 6,
+        },
+    }
+
+
+def termination_grace_seconds(drain_timeout: float) -> int:
+    """Above the engine's drain timeout, so SIGKILL never cuts a drain short."""
+    return math.ceil(drain_timeout) + 30
+
+
+def pod_template(llmi: LLMInference, settings: OperatorSettings, role: Role) -> dict[str, Any]:
+    spec = llmi.spec
+    shape = topology(spec)
+    multi_pod = shape.pods_per_replica > 1
+    source = model_source(spec, settings)
+    port = spec.server.port
+    volumes: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": config_map_name(llmi)}},
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": settings.shm_size_limit}},
+        *source.volumes,
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "shm", "mountPath": "/dev/shm"},
+        *source.mounts,
+    ]
+    if spec.server.api_key_secret_ref is not None:
+        ref = spec.server.api_key_secret_ref
+        volumes.append(
+            {
+                "name": "api-key",
+                "secret": {
+                    "secretName": ref.name,
+                    "items": [{"key": ref.key, "path": API_KEY_PATH.rsplit("/", 1)[1]}],
+                },
+            }
+        )
+        mounts.append(
+            {"name": "api-key", "mountPath": API_KEY_PATH.rsplit("/", 1)[0], "readOnly": True}
+        )
+    container: dict[str, Any] = {
+        "name": ENGINE_CONTAINER,
+        "image": spec.image or settings.engine_image,
+        "command": ["brook-engine", "serve", "--config", f"{CONFIG_DIR}/{ENGINE_CONFIG_FILE}"],
+        "ports": [
+            {"name": "http", "containerPort": port, "protocol": "TCP"},
+            {"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"},
+        ],
+        "env": _env(llmi, multi_pod),
+        "resources": _resources(llmi),
+        "volumeMounts": mounts,
+        "securityContext": restricted_container_context(),
+    }
+    if role == "leader":
+        container.update(_probes())
+    scheduling = spec.scheduling
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": "default",
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": termination_grace_seconds(
+            spec.server.drain_timeout_seconds
+        ),
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": ENGINE_UID,
+            "runAsGroup": ENGINE_UID,
+            "fsGroup": ENGINE_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "initContainers": source.init_containers,
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if not source.init_containers:
+        del pod_spec["initContainers"]
+    if scheduling.node_selector:
+        pod_spec["nodeSelector"] = dict(scheduling.node_selector)
+    if scheduling.tolerations:
+        pod_spec["tolerations"] = [
+            t.model_dump(by_alias=True, exclude_none=True) for t in scheduling.tolerations
+        ]
+    if scheduling.affinity:
+        pod_spec["affinity"] = scheduling.affinity
+    if scheduling.priority_class_name:
+        pod_spec["priorityClassName"] = scheduling.priority_class_name
+    scheduler = scheduling.scheduler_name or ("volcano" if scheduling.gang else None)
+    if scheduler:
+        pod_spec["schedulerName"] = scheduler
+    annotations: dict[str, str] = {}
+    if role == "leader":
+        annotations.update(
+            {
+                "prometheus.io/scrape": "true",
+                "prometheus.io/port": str(port),
+                "prometheus.io/path": "/metrics",
+            }
+        )
+    metadata: dict[str, Any] = {"labels": {**child_labels(llmi), ROLE_LABEL: role}}
+    if annotations:
+        metadata["annotations"] = annotations
+    return {"metadata": metadata, "spec": pod_spec}

@@ -1,0 +1,236 @@
+"""The real operator (``brook operator`` as a child process, kopf inside) against the
+emulated kube-apiserver, driven with kubectl.
+
+The emulator runs no controllers: the tests set a Deployment's status themselves where the
+Deployment controller would, and its garbage collector acts within the deleting request
+(a real one acts a moment later). It validates nothing, which lets a test store a spec the
+real CRD would refuse — the case of an older CRD. What it does not emulate is listed in
+``tests/support/kube_api/__init__.py``; ``tests/e2e`` runs the same scenarios on a real
+cluster.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import kmock
+import pytest
+
+from brook_operator.rbac import CLUSTER_RULES, NAMESPACED_RULES
+from support import operator_scenarios as scenarios
+from support.kube_api import KubeApi, leaderworkerset_crd
+from support.operator_process import OperatorProcess
+
+NAMESPACE = "ai"
+OPERATOR_AGENTS = ("brook-operator", "kopf")
+
+#: (verb, group, resource) of every request the operator made, over the whole module.
+_USED: set[tuple[str, str, str]] = set()
+
+
+@dataclass
+class EmulatedCluster:
+    api: KubeApi
+    namespace: str = NAMESPACE
+    timeout: float = 30.0
+    runs_controllers: bool = False
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> Any:
+        return self.api.kubectl(*args, input=input, check=check)
+
+    def mark_workload_ready(self, kind: str, name: str, replicas: int) -> None:
+        workload = self.api.get(kind + "s", name, self.namespace)
+        assert workload is not None
+        self.api.set_status(
+            kind + "s",
+            name,
+            {
+                "observedGeneration": workload["metadata"]["generation"],
+                "replicas": replicas,
+                "readyReplicas": replicas,
+                "updatedReplicas": replicas,
+                "availableReplicas": replicas,
+            },
+            self.namespace,
+        )
+
+
+@pytest.fixture
+def cluster(kube_api: KubeApi, brook_crd: dict[str, Any]) -> EmulatedCluster:
+    kube_api.create_namespace(NAMESPACE)
+    kube_api.create(leaderworkerset_crd())
+    return EmulatedCluster(kube_api)
+
+
+def _record_rbac(api: KubeApi) -> None:
+    for agent in OPERATOR_AGENTS:
+        _USED.update((c.verb, c.api_group, c.resource) for c in api.rbac(user_agent=agent))
+
+
+@pytest.fixture
+def operator(cluster: EmulatedCluster, tmp_path: Path) -> Iterator[OperatorProcess]:
+    process = OperatorProcess.start(
+        cluster.api.kubeconfig, tmp_path / "operator.log", namespaces=[NAMESPACE]
+    )
+    yield process
+    code = process.stop()
+    log = process.log()
+    _record_rbac(cluster.api)
+    assert code == 0, log
+    assert "Traceback" not in log, log
+
+
+def test_create_update_scale_change_topology_delete(
+    cluster: EmulatedCluster, operator: OperatorProcess
+) -> None:
+    scenarios.create_converges(cluster)
+    scenarios.printer_columns(cluster)
+    scenarios.update_image_and_scale(cluster)
+    scenarios.topology_change(cluster)
+    scenarios.delete_collects_children(cluster)
+    metrics = operator.metrics()
+    assert 'brook_operator_reconciles_total{result="applied"}' in metrics
+
+
+def test_every_example_reconciles(cluster: EmulatedCluster, operator: OperatorProcess) -> None:
+    for path in sorted(scenarios.EXAMPLES.glob("*.yaml")):
+        scenarios.apply(cluster, scenarios.manifest(path.stem, NAMESPACE))
+    for path in sorted(scenarios.EXAMPLES.glob("*.yaml")):
+        obj = scenarios.manifest(path.stem, NAMESPACE)
+        name = obj["metadata"]["name"]
+        llmi = scenarios.wait_status(
+            cluster,
+            name,
+            lambda o: (
+                scenarios.condition(o, "SpecValid").get("status") == "True"
+                and o["status"].get("observedGeneration") == 1
+            ),
+            "reconciled",
+        )
+        kind = llmi["status"]["topology"]["workload"].lower()
+        assert scenarios.get(cluster, kind, name) is not None
+        assert scenarios.condition(llmi, "Degraded")["status"] == "False"
+
+
+def test_invalid_spec_gets_spec_valid_false_and_no_children(
+    cluster: EmulatedCluster, operator: OperatorProcess
+) -> None:
+    # Stored past the CRD's rules (the emulator validates nothing, as an older CRD would).
+    bad = scenarios.manifest("tiny-cpu", NAMESPACE, parallel={"tensor": 0})
+    bad["metadata"]["name"] = "broken"
+    cluster.api.create(bad)
+    llmi = scenarios.wait_status(
+        cluster,
+        "broken",
+        lambda o: scenarios.condition(o, "SpecValid").get("status") == "False",
+        "SpecValid=False",
+    )
+    valid = scenarios.condition(llmi, "SpecValid")
+    assert valid["reason"] == "InvalidSpec"
+    assert "spec.parallel.tensor" in valid["message"]
+    # The operator stays healthy and serves the next resource; the broken one has nothing.
+    scenarios.create_converges(cluster)
+    assert operator.healthy()
+    for kind in ("configmap", "service", "deployment", "poddisruptionbudget"):
+        assert scenarios.list_names(cluster, kind, "brook.dev/llminference=broken") == []
+    events = json.loads(
+        cluster.kubectl(
+            "get", "events", "-n", NAMESPACE,
+            "--field-selector", "involvedObject.name=broken", "-o", "json",
+        ).stdout
+    )["items"]  # fmt: skip
+    warnings = [e for e in events if e["message"].startswith("SpecValid=False")]
+    assert warnings and warnings[0]["type"] == "Warning"
+    assert "spec.parallel.tensor" in warnings[0]["message"]
+
+
+def test_missing_leader_worker_set_is_degraded(
+    kube_api: KubeApi, brook_crd: Any, tmp_path: Path
+) -> None:
+    kube_api.create_namespace(NAMESPACE)
+    cluster = EmulatedCluster(kube_api)  # no LeaderWorkerSet CRD here
+    process = OperatorProcess.start(
+        kube_api.kubeconfig, tmp_path / "operator.log", namespaces=[NAMESPACE]
+    )
+    try:
+        scenarios.apply(cluster, scenarios.manifest("qwen-110b-npu-tp4-pp2", NAMESPACE))
+        llmi = scenarios.wait_status(
+            cluster,
+            "qwen-110b",
+            lambda o: scenarios.condition(o, "Degraded").get("status") == "True",
+            "Degraded",
+        )
+        assert scenarios.condition(llmi, "Degraded")["reason"] == "LeaderWorkerSetMissing"
+        # What does not need LeaderWorkerSet is still there.
+        assert scenarios.get(cluster, "configmap", "qwen-110b-engine") is not None
+        assert scenarios.get(cluster, "service", "qwen-110b") is not None
+        assert process.healthy()
+    finally:
+        assert process.stop() == 0
+        _record_rbac(kube_api)
+
+
+def test_killed_mid_reconcile_resumes_without_duplicates(
+    cluster: EmulatedCluster, tmp_path: Path
+) -> None:
+    api = cluster.api
+    # Deployments cannot be written: the first operator applies the ConfigMap and Service,
+    # then fails on the Deployment and retries — and is killed while it does.
+    api.handler[kmock.method.PATCH, kmock.resource("apps", "v1", "deployments")] << 500
+    first = OperatorProcess.start(api.kubeconfig, tmp_path / "first.log", namespaces=[NAMESPACE])
+    scenarios.apply(cluster, scenarios.manifest("tiny-cpu", NAMESPACE))
+    scenarios.wait_for(
+        cluster,
+        lambda: (
+            scenarios.condition(scenarios.get(cluster, "llmi", "tiny-cpu"), "Degraded").get(
+                "reason"
+            )
+            == "ApplyFailed"
+        ),
+        "the failed apply to show",
+    )
+    assert scenarios.get(cluster, "configmap", "tiny-cpu-engine") is not None
+    assert scenarios.get(cluster, "deployment", "tiny-cpu") is None
+    first.kill()
+    _record_rbac(api)
+    api.clear_reactions()
+    second = OperatorProcess.start(api.kubeconfig, tmp_path / "second.log", namespaces=[NAMESPACE])
+    try:
+        scenarios.wait_for(
+            cluster, lambda: scenarios.get(cluster, "deployment", "tiny-cpu"), "the Deployment"
+        )
+        cluster.mark_workload_ready("deployment", "tiny-cpu", 1)
+        scenarios.wait_status(
+            cluster,
+            "tiny-cpu",
+            lambda o: (
+                scenarios.condition(o, "Ready").get("status") == "True"
+                and scenarios.condition(o, "Degraded").get("status") == "False"
+            ),
+            "Ready after the restart",
+        )
+        selector = "brook.dev/llminference=tiny-cpu"
+        for kind in ("configmap", "service", "deployment", "poddisruptionbudget"):
+            assert len(scenarios.list_names(cluster, kind, selector)) == 1, kind
+    finally:
+        assert second.stop() == 0
+        _record_rbac(api)
+
+
+def test_zz_rbac_rules_are_exactly_what_the_operator_used() -> None:
+    """Runs last: every permission in rbac.py was used by some test above, and every
+    request the operator made is covered by one."""
+    if not _USED:
+        pytest.skip("run with the rest of the module")
+    granted = {
+        (verb, rule.api_group, resource)
+        for rule in NAMESPACED_RULES + CLUSTER_RULES
+        for resource in rule.resources
+        for verb in rule.verbs
+    }
+    assert _USED - granted == set(), "requests the RBAC rules do not allow"
+    assert granted - _USED == set(), "permissions the operator never used"

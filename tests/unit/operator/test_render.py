@@ -1,0 +1,251 @@
+"""Rendering of every example into its children, against golden files, and the properties a
+pod must have whatever the example: devices, rendezvous env per rank, probes, grace period,
+restricted security context, model volumes.
+
+Regenerate the golden files after an intended change with
+``BROOK_UPDATE_GOLDEN=1 pytest tests/unit/operator/test_render.py`` and review the diff.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from brook_engine.config import load_engine_config
+from brook_operator.api import LLMInference
+from brook_operator.render import (
+    ENGINE_CONFIG_FILE,
+    OperatorSettings,
+    render_children,
+    with_owner,
+)
+from brook_operator.render.pod import LWS_WORKER_INDEX_LABEL, termination_grace_seconds
+
+ROOT = Path(__file__).resolve().parents[3]
+EXAMPLES = sorted((ROOT / "crds" / "examples").glob("*.yaml"))
+GOLDEN = Path(__file__).parent / "golden"
+SETTINGS = OperatorSettings(engine_image="registry.example/brook-engine:test")
+
+
+def _llmi(name: str, **changes: Any) -> LLMInference:
+    obj = yaml.safe_load((ROOT / "crds" / "examples" / f"{name}.yaml").read_text())
+    for path, value in changes.items():
+        node = obj["spec"]
+        *parents, leaf = path.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    obj["metadata"]["uid"] = "00000000-0000-0000-0000-000000000001"
+    return LLMInference.model_validate(obj)
+
+
+def _by_kind(children: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {c["kind"]: c for c in children}
+
+
+def _pod_templates(workload: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    if workload["kind"] == "Deployment":
+        return {"leader": workload["spec"]["template"]}
+    template = workload["spec"]["leaderWorkerTemplate"]
+    return {"leader": template["leaderTemplate"], "worker": template["workerTemplate"]}
+
+
+def resolve_env(
+    container: dict[str, Any], pod: dict[str, Any], injected: dict[str, str]
+) -> dict[str, str]:
+    """The environment the kubelet gives ``container``: ``injected`` first (what
+    LeaderWorkerSet prepends), downward-API fields from ``pod``, then $(VAR) expansion of
+    variables defined earlier."""
+    env = dict(injected)
+    for item in container["env"]:
+        if "value" in item:
+            env[item["name"]] = re.sub(
+                r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+                lambda m: env.get(m.group(1), m.group(0)),
+                item["value"],
+            )
+            continue
+        path = item["valueFrom"]["fieldRef"]["fieldPath"]
+        label = re.fullmatch(r"metadata\.labels\['(.+)'\]", path)
+        if label:
+            env[item["name"]] = pod["metadata"]["labels"][label.group(1)]
+        else:
+            node: Any = pod
+            for part in path.split("."):
+                node = node[part]
+            env[item["name"]] = str(node)
+    return env
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_children_match_golden_files(path: Path) -> None:
+    children = [
+        with_owner(c, _llmi(path.stem)) for c in render_children(_llmi(path.stem), SETTINGS)
+    ]
+    rendered = yaml.safe_dump_all(children, sort_keys=False)
+    golden = GOLDEN / path.name
+    if os.environ.get("BROOK_UPDATE_GOLDEN"):
+        golden.write_text(rendered)
+    assert golden.exists(), f"run with BROOK_UPDATE_GOLDEN=1 to create {golden}"
+    assert rendered == golden.read_text()
+
+
+def test_single_pod_replica_is_a_deployment_with_all_devices() -> None:
+    children = _by_kind(render_children(_llmi("llama-70b-npu-tp8"), SETTINGS))
+    assert set(children) == {"ConfigMap", "Service", "Deployment", "PodDisruptionBudget"}
+    pod = children["Deployment"]["spec"]["template"]
+    engine = pod["spec"]["containers"][0]
+    assert engine["resources"]["limits"]["huawei.com/Ascend910"] == 8
+    assert engine["resources"]["requests"]["huawei.com/Ascend910"] == 8
+    running = {
+        "metadata": {**pod["metadata"], "name": "llama-70b-5d9f7-x2x7q", "namespace": "ai"},
+        "status": {"podIP": "10.0.0.7"},
+    }
+    env = resolve_env(engine, running, {})
+    assert env["BROOK_WORLD_SIZE"] == "8" and env["BROOK_NUM_PODS"] == "1"
+    assert env["BROOK_POD_RANK"] == "0" and env["MASTER_ADDR"] == "127.0.0.1"
+    assert env["HCCL_IF_IP"] == "10.0.0.7"
+
+
+def test_tp4_pp2_spans_two_pods_and_each_rank_gets_its_env() -> None:
+    llmi = _llmi("qwen-110b-npu-tp4-pp2")
+    children = _by_kind(render_children(llmi, SETTINGS))
+    lws = children["LeaderWorkerSet"]
+    assert "Deployment" not in children
+    assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
+    assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+    assert lws["spec"]["startupPolicy"] == "LeaderCreated"
+    leader_address = "qwen-110b-0.qwen-110b-0.inference"
+    envs = {}
+    for rank, role in enumerate(("leader", "worker")):
+        template = _pod_templates(lws)[role]
+        pod = {
+            "metadata": {
+                "name": f"qwen-110b-0-{rank}" if rank else "qwen-110b-0",
+                "namespace": "inference",
+                "labels": {**template["metadata"]["labels"], LWS_WORKER_INDEX_LABEL: str(rank)},
+            },
+            "status": {"podIP": f"10.1.0.{10 + rank}"},
+        }
+        engine = template["spec"]["containers"][0]
+        assert engine["resources"]["limits"]["huawei.com/Ascend910"] == 4
+        envs[rank] = resolve_env(engine, pod, {"LWS_LEADER_ADDRESS": leader_address})
+    for rank in (0, 1):
+        env = envs[rank]
+        assert env["BROOK_POD_RANK"] == str(rank)
+        assert env["BROOK_WORLD_SIZE"] == "8"
+        assert env["BROOK_DEVICES_PER_POD"] == "4" and env["BROOK_NUM_PODS"] == "2"
+        assert env["MASTER_ADDR"] == leader_address and env["MASTER_PORT"] == "29500"
+        assert env["HCCL_IF_IP"] == f"10.1.0.{10 + rank}"
+        assert env["HCCL_SOCKET_IFNAME"] == "eth0"
+        assert env["HCCL_BUFFSIZE"] == "400" and env["HCCL_CONNECT_TIMEOUT"] == "120"
+    # Only the leader serves the API: probes and the Service select it alone.
+    leader, worker = _pod_templates(lws)["leader"], _pod_templates(lws)["worker"]
+    assert "readinessProbe" in leader["spec"]["containers"][0]
+    assert "readinessProbe" not in worker["spec"]["containers"][0]
+    assert children["Service"]["spec"]["selector"]["brook.dev/role"] == "leader"
+    assert children["PodDisruptionBudget"]["spec"]["maxUnavailable"] == 2
+    # Gang scheduling: the pods go to Volcano.
+    assert leader["spec"]["schedulerName"] == "volcano"
+
+
+def test_autoscaled_replicas_start_at_the_minimum_and_follow_the_decision() -> None:
+    llmi = _llmi("qwen-7b-autoscaled")
+    workload = _by_kind(render_children(llmi, SETTINGS))["Deployment"]
+    assert workload["spec"]["replicas"] == 2  # autoscaling.minReplicas
+    decided = _by_kind(render_children(llmi, SETTINGS, autoscaled=5))["Deployment"]
+    assert decided["spec"]["replicas"] == 5
+    clipped = _by_kind(render_children(llmi, SETTINGS, autoscaled=99))["Deployment"]
+    assert clipped["spec"]["replicas"] == 16  # maxReplicas
+    suspended = _llmi("qwen-7b-autoscaled", suspend=True)
+    assert _by_kind(render_children(suspended, SETTINGS))["Deployment"]["spec"]["replicas"] == 0
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_every_pod_is_restricted_probed_and_drains(path: Path) -> None:
+    llmi = _llmi(path.stem)
+    children = _by_kind(render_children(llmi, SETTINGS))
+    workload = children.get("Deployment") or children["LeaderWorkerSet"]
+    for role, template in _pod_templates(workload).items():
+        spec = template["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["securityContext"]["runAsUser"] != 0
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert spec["automountServiceAccountToken"] is False
+        assert spec["terminationGracePeriodSeconds"] > llmi.spec.server.drain_timeout_seconds
+        assert spec["terminationGracePeriodSeconds"] == termination_grace_seconds(
+            llmi.spec.server.drain_timeout_seconds
+        )
+        for container in spec["containers"] + spec.get("initContainers", []):
+            context = container["securityContext"]
+            assert context["allowPrivilegeEscalation"] is False
+            assert context["capabilities"] == {"drop": ["ALL"]}
+            assert context["readOnlyRootFilesystem"] is True
+            assert "privileged" not in context
+        mounts = {m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
+        assert {"/tmp", "/dev/shm", "/etc/brook"} <= mounts
+        engine = spec["containers"][0]
+        assert engine["command"] == [
+            "brook-engine",
+            "serve",
+            "--config",
+            f"/etc/brook/{ENGINE_CONFIG_FILE}",
+        ]
+        if role == "leader":
+            assert engine["readinessProbe"]["httpGet"]["path"] == "/ready"
+            assert engine["livenessProbe"]["httpGet"]["path"] == "/health"
+            assert engine["startupProbe"]["httpGet"]["path"] == "/health"
+            assert template["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+
+
+def test_model_sources_mount_or_fetch_and_the_engine_reads_the_local_folder(
+    tmp_path: Path,
+) -> None:
+    cases = {
+        "pvc://models/Qwen/Qwen2.5-7B": ("/models/Qwen/Qwen2.5-7B", None),
+        "hf://Qwen/Qwen2.5-7B-Instruct": ("/models/Qwen/Qwen2.5-7B-Instruct", "hf"),
+        "s3://bucket/llama/70b": ("/models/bucket/llama/70b", "aws"),
+        "oci://registry.example/models/llama:70b": (
+            "/models/registry.example/models/llama/70b",
+            "oras",
+        ),
+        "file:///models/tiny-llama": ("/models/tiny-llama", None),
+    }
+    for uri, (local, tool) in cases.items():
+        llmi = _llmi("tiny-cpu", **{"model.uri": uri, "model.credentialsSecretRef": None})
+        children = _by_kind(render_children(llmi, SETTINGS))
+        config_file = tmp_path / "engine.yaml"
+        config_file.write_text(children["ConfigMap"]["data"][ENGINE_CONFIG_FILE])
+        assert load_engine_config(config_file).model.uri == f"file://{local}", uri
+        spec = children["Deployment"]["spec"]["template"]["spec"]
+        init = spec.get("initContainers", [])
+        if tool is None:
+            assert init == [], uri
+        else:
+            assert len(init) == 1 and init[0]["command"][0] == tool, uri
+            assert local in init[0]["command"], uri
+        if uri.startswith("pvc://"):
+            volume = next(v for v in spec["volumes"] if v["name"] == "model")
+            assert volume["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+
+
+def test_credentials_reach_only_the_fetching_container() -> None:
+    llmi = _llmi("qwen-7b-autoscaled")  # hf:// with credentialsSecretRef hf-token/token
+    spec = _by_kind(render_children(llmi, SETTINGS))["Deployment"]["spec"]["template"]["spec"]
+    (fetch,) = spec["initContainers"]
+    token = next(e for e in fetch["env"] if e["name"] == "HF_TOKEN")
+    assert token["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
+    assert "hf-token" not in yaml.safe_dump(spec["containers"])
+
+
+def test_owner_reference_needs_the_uid() -> None:
+    llmi = _llmi("tiny-cpu").model_copy(
+        update={"metadata": _llmi("tiny-cpu").metadata.model_copy(update={"uid": None})}
+    )
+    with pytest.raises(ValueError, match=r"metadata\.uid"):
+        with_owner(render_children(llmi, SETTINGS)[0], llmi)

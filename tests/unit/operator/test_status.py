@@ -1,0 +1,104 @@
+"""Status and conditions from what the workload reports (pure functions)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from brook_operator.api import LLMInference
+from brook_operator.controller.reconcile import parse
+from brook_operator.controller.status import (
+    Observed,
+    compute_status,
+    invalid_status,
+    spec_error,
+)
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _llmi(name: str = "tiny-cpu", generation: int = 3) -> LLMInference:
+    obj = yaml.safe_load((ROOT / "crds" / "examples" / f"{name}.yaml").read_text())
+    obj["metadata"].update(uid="u-1", generation=generation, namespace="ai")
+    return LLMInference.model_validate(obj)
+
+
+def _deployment(generation: int, observed: int, **status: int) -> dict[str, Any]:
+    return {
+        "metadata": {"generation": generation},
+        "status": {"observedGeneration": observed, **status},
+    }
+
+
+def _conditions(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["type"]: c for c in status["conditions"]}
+
+
+def test_ready_when_every_desired_replica_is_ready() -> None:
+    workload = _deployment(2, 2, replicas=1, readyReplicas=1, updatedReplicas=1)
+    status = compute_status(_llmi(), Observed(workload, desired_replicas=1), None, now="T1")
+    conditions = _conditions(status)
+    assert conditions["Ready"]["status"] == "True"
+    assert conditions["Progressing"]["status"] == "False"
+    assert conditions["SpecValid"]["status"] == "True"
+    assert conditions["Degraded"]["status"] == "False"
+    assert status["observedGeneration"] == 3
+    assert status["readyReplicas"] == 1 and status["replicas"] == 1
+    assert status["endpoint"] == "http://tiny-cpu.ai.svc:8000/v1"
+    assert status["selector"] == (
+        "app.kubernetes.io/name=brook-engine,brook.dev/llminference=tiny-cpu,brook.dev/role=leader"
+    )
+    assert status["topology"]["workload"] == "Deployment"
+
+
+def test_progressing_while_the_rollout_runs_and_transition_times_move_only_on_change() -> None:
+    llmi = _llmi()
+    rolling = _deployment(3, 2, replicas=2, readyReplicas=1, updatedReplicas=0)
+    first = compute_status(llmi, Observed(rolling, desired_replicas=2), None, now="T1")
+    assert _conditions(first)["Progressing"]["status"] == "True"
+    assert _conditions(first)["Ready"]["message"] == "1/2 replicas ready"
+    again = compute_status(llmi, Observed(rolling, desired_replicas=2), first, now="T2")
+    assert _conditions(again)["Ready"]["lastTransitionTime"] == "T1"
+    done = _deployment(3, 3, replicas=2, readyReplicas=2, updatedReplicas=2)
+    after = compute_status(llmi, Observed(done, desired_replicas=2), again, now="T3")
+    assert _conditions(after)["Ready"]["status"] == "True"
+    assert _conditions(after)["Ready"]["lastTransitionTime"] == "T3"
+    assert _conditions(after)["Progressing"]["status"] == "False"
+
+
+def test_missing_leader_worker_set_api_is_degraded_with_its_reason() -> None:
+    llmi = _llmi("qwen-110b-npu-tp4-pp2")
+    status = compute_status(llmi, Observed(None, desired_replicas=1, lws_missing=True), None)
+    degraded = _conditions(status)["Degraded"]
+    assert (degraded["status"], degraded["reason"]) == ("True", "LeaderWorkerSetMissing")
+    assert "leaderworkerset.x-k8s.io" in degraded["message"]
+    assert _conditions(status)["Ready"]["status"] == "False"
+
+
+def test_invalid_spec_names_the_field_and_keeps_other_conditions() -> None:
+    body = yaml.safe_load((ROOT / "crds" / "examples" / "tiny-cpu.yaml").read_text())
+    body["metadata"]["generation"] = 4
+    body["spec"]["parallel"] = {"tensor": 0}
+    body["status"] = {"conditions": [{"type": "ScalingActive", "status": "True"}]}
+    with pytest.raises(ValidationError) as caught:
+        parse(body)
+    message = spec_error(caught.value)
+    assert "spec.parallel.tensor" in message
+    status = invalid_status(body, message, now="T")
+    conditions = _conditions(status)
+    assert conditions["SpecValid"]["status"] == "False"
+    assert conditions["SpecValid"]["reason"] == "InvalidSpec"
+    assert "spec.parallel.tensor" in conditions["SpecValid"]["message"]
+    assert conditions["ScalingActive"]["status"] == "True"
+    assert status["observedGeneration"] == 4
+
+
+def test_suspended_resource_is_not_ready_for_that_reason() -> None:
+    llmi = _llmi().model_copy(update={"spec": _llmi().spec.model_copy(update={"suspend": True})})
+    workload = _deployment(1, 1, replicas=0)
+    ready = _conditions(compute_status(llmi, Observed(workload, desired_replicas=0)))["Ready"]
+    assert (ready["status"], ready["reason"]) == ("False", "Suspended")
