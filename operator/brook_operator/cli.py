@@ -99,6 +99,8 @@ def _cmd_operator(args: argparse.Namespace) -> int:
     memo = kopf.Memo(
         reconciler=Reconciler(KubeClient.from_environment(args.kubeconfig), settings),
         metrics=OperatorMetrics(registry),
+        namespaces=None if args.all_namespaces else args.namespace,
+        resync_seconds=args.resync_seconds,
     )
     del handlers  # imported for its registrations
     # An explicit identity: kopf's default asks getpass for a user name, which fails for a
@@ -158,6 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
     operator.add_argument("--health-address", default="0.0.0.0", help="address of /healthz")
     operator.add_argument(
         "--kubeconfig", help="kubeconfig outside a cluster (default: KUBECONFIG or ~/.kube)"
+    )
+    operator.add_argument(
+        "--resync-seconds",
+        type=float,
+        default=60.0,
+        help="how often every resource's status is refreshed (and a Degraded one reconciled)",
     )
     operator.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     operator.set_defaults(func=_cmd_operator)

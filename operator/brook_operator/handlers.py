@@ -9,15 +9,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import time
-from typing import Any, cast
+from typing import Any
 
 import kopf
 
 from brook_operator.api import GROUP, PLURAL, VERSION
 from brook_operator.controller import Reconciler, ReconcileResult
+from brook_operator.controller.events import post_transitions
 from brook_operator.controller.reconcile import LWS_API_VERSION
 from brook_operator.kube import KubeClient, KubeError
 from brook_operator.operator_metrics import OperatorMetrics
@@ -39,7 +42,7 @@ def backoff(retry: int) -> float:
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-    settings.posting.level = logging.INFO
+    settings.posting.level = logging.WARNING  # our own Events say what changed
     settings.watching.server_timeout = 300
     settings.networking.error_backoffs = [1, 2, 5, 10, 30, 60]
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
@@ -57,27 +60,6 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
 
 def _conditions(status: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
     return {c["type"]: c for c in (status or {}).get("conditions") or [] if "type" in c}
-
-
-def _post_transitions(
-    body: kopf.Body, before: dict[str, Any] | None, after: dict[str, Any]
-) -> None:
-    """A Kubernetes Event for each condition that changed (Warning when it went bad)."""
-    old = _conditions(before)
-    bad_when_true = {"Degraded"}
-    for kind, condition in _conditions(after).items():
-        previous = old.get(kind)
-        if previous is not None and previous.get("status") == condition["status"]:
-            continue
-        if previous is None and kind == "Progressing":
-            continue
-        good = (condition["status"] == "True") != (kind in bad_when_true)
-        kopf.event(
-            body,
-            type="Normal" if good else "Warning",
-            reason=condition.get("reason") or kind,
-            message=f"{kind}={condition['status']}: {condition.get('message', '')}",
-        )
 
 
 @kopf.on.resume(*RESOURCE)
@@ -104,7 +86,7 @@ def reconcile(body: kopf.Body, memo: kopf.Memo, retry: int, **_: Any) -> None:
         [kind for kind, _ in result.applied] if spec_valid else None,
         spec_valid,
     )
-    _post_transitions(body, before, result.status)
+    post_transitions(reconciler.kube, dict(body), before, result.status)
     if result.error is not None:
         metrics.errors.labels(str(result.error.status)).inc()
         metrics.reconciles.labels("error").inc()
@@ -112,11 +94,13 @@ def reconcile(body: kopf.Body, memo: kopf.Memo, retry: int, **_: Any) -> None:
     metrics.reconciles.labels("applied" if spec_valid else "invalid").inc()
 
 
-@kopf.on.delete(*RESOURCE, optional=True)
-def forget(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    """Bookkeeping only (``optional``: no finalizer, garbage collection does the work)."""
-    metadata = body.get("metadata") or {}
-    memo["metrics"].forget(metadata.get("namespace"), str(metadata.get("name")))
+@kopf.on.event(*RESOURCE)
+def forget(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:
+    """Metrics bookkeeping when a resource is gone. An event handler, not a delete handler:
+    those need a finalizer, and deletion here is the garbage collector's."""
+    if type == "DELETED":
+        metadata = body.get("metadata") or {}
+        memo["metrics"].forget(metadata.get("namespace"), str(metadata.get("name")))
 
 
 def _refresh_owner(body: kopf.Body, memo: kopf.Memo) -> None:
@@ -134,7 +118,7 @@ def _refresh_owner(body: kopf.Body, memo: kopf.Memo) -> None:
         before = dict(llmi.get("status") or {})
         status = reconciler.refresh_status(llmi)
         if status is not None:
-            _post_transitions(cast(kopf.Body, llmi), before, status)
+            post_transitions(reconciler.kube, llmi, before, status)
     except KubeError as exc:
         memo["metrics"].errors.labels(str(exc.status)).inc()
         log.warning("%s: status refresh failed: %s", owner, exc)
@@ -150,19 +134,60 @@ def leader_worker_set_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> Non
     _refresh_owner(body, memo)
 
 
-@kopf.timer(*RESOURCE, interval=60, initial_delay=60)
-def refresh(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    """A safety net: status for a missed child event, and a full reconcile while Degraded
-    (the LeaderWorkerSet CRD may have been installed since, or the API recovered)."""
+async def _resync(memo: kopf.Memo, stop: asyncio.Event) -> None:
+    """Every ``RESYNC_SECONDS``: status for each resource (a child event may have been
+    missed), and a full reconcile of those Degraded (the LeaderWorkerSet CRD may have been
+    installed since, or the API recovered). A loop of the operator's own, not a kopf timer:
+    kopf puts a finalizer on every resource that has a timer, and deletion here is left to
+    the garbage collector."""
     reconciler: Reconciler = memo["reconciler"]
+    namespaces: list[str | None] = list(memo.get("namespaces") or [None])
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=float(memo.get("resync_seconds", 60)))
+        if stop.is_set():
+            return
+        for namespace in namespaces:
+            try:
+                bodies = await asyncio.to_thread(
+                    reconciler.kube.list, f"{GROUP}/{VERSION}", "LLMInference", namespace, ""
+                )
+            except KubeError as exc:
+                memo["metrics"].errors.labels(str(exc.status)).inc()
+                log.warning("resync: listing failed: %s", exc)
+                continue
+            for body in bodies:
+                try:
+                    await asyncio.to_thread(_resync_one, reconciler, memo, body)
+                except Exception:  # one resource's trouble must not end the loop
+                    log.exception("resync of %s failed", body["metadata"].get("name"))
+
+
+def _resync_one(reconciler: Reconciler, memo: kopf.Memo, body: dict[str, Any]) -> None:
     degraded = _conditions(body.get("status")).get("Degraded", {}).get("status") == "True"
+    before = dict(body.get("status") or {})
     try:
         if degraded:
-            before = dict(body.get("status") or {})
-            result = reconciler.reconcile(dict(body))
-            _post_transitions(body, before, result.status)
+            status = reconciler.reconcile(body).status
         else:
-            reconciler.refresh_status(dict(body))
+            status = reconciler.refresh_status(body) or before
     except KubeError as exc:
         memo["metrics"].errors.labels(str(exc.status)).inc()
-        log.warning("status refresh failed: %s", exc)
+        log.warning("resync of %s failed: %s", body["metadata"].get("name"), exc)
+        return
+    post_transitions(reconciler.kube, body, before, status)
+
+
+@kopf.on.startup()
+async def start_resync(memo: kopf.Memo, **_: Any) -> None:
+    stop = asyncio.Event()
+    memo["resync_stop"] = stop
+    memo["resync_task"] = asyncio.create_task(_resync(memo, stop))
+
+
+@kopf.on.cleanup()
+async def stop_resync(memo: kopf.Memo, **_: Any) -> None:
+    stop: asyncio.Event | None = memo.get("resync_stop")
+    if stop is not None:
+        stop.set()
+        await memo["resync_task"]

@@ -35,6 +35,7 @@ class OperatorProcess:
         *,
         namespaces: list[str] | None = None,
         engine_image: str = "registry.example/brook-engine:test",
+        extra_args: tuple[str, ...] = (),
         timeout: float = 60.0,
     ) -> OperatorProcess:
         metrics_port, health_port = free_port(), free_port()
@@ -51,6 +52,7 @@ class OperatorProcess:
             f"--metrics-port={metrics_port}",
             "--health-address=127.0.0.1",
             f"--health-port={health_port}",
+            *extra_args,
         ]
         env = {**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen(

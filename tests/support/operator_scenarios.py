@@ -118,6 +118,7 @@ def create_converges(cluster: Cluster, name: str = "tiny-cpu") -> dict[str, Any]
         assert (owner["kind"], owner["name"], owner["uid"]) == ("LLMInference", name, uid)
         assert owner["controller"] is True
     status = llmi["status"]
+    assert not llmi["metadata"].get("finalizers"), "deletion is left to garbage collection"
     assert condition(llmi, "SpecValid")["status"] == "True"
     assert status["endpoint"] == f"http://{name}.{cluster.namespace}.svc:8000/v1"
     assert status["topology"]["workload"] == "Deployment"
@@ -139,7 +140,8 @@ def printer_columns(cluster: Cluster, name: str = "tiny-cpu") -> None:
 
 
 def update_image_and_scale(cluster: Cluster, name: str = "tiny-cpu") -> None:
-    """A new image and ``kubectl scale`` reach the Deployment; observedGeneration follows."""
+    """A new image, ``kubectl scale`` and a new TP degree reach the children;
+    observedGeneration follows."""
     cluster.kubectl(
         "patch", "llmi", name, "-n", cluster.namespace, "--type=merge",
         "-p", json.dumps({"spec": {"image": "registry.example/brook-engine:v2"}}),
@@ -162,6 +164,23 @@ def update_image_and_scale(cluster: Cluster, name: str = "tiny-cpu") -> None:
         cluster, name, lambda o: o["status"].get("desiredReplicas") == 3, "desiredReplicas 3"
     )
     assert llmi["status"]["observedGeneration"] == 3
+    # Tensor parallel 2 on 2-device nodes: still one pod, now holding both devices.
+    cluster.kubectl(
+        "patch", "llmi", name, "-n", cluster.namespace, "--type=merge",
+        "-p", json.dumps(
+            {"spec": {"parallel": {"tensor": 2}, "accelerator": {"devicesPerNode": 2}}}
+        ),
+    )  # fmt: skip
+
+    def world_size() -> bool:
+        deployment = get(cluster, "deployment", name) or {}
+        env = deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+        return {"name": "BROOK_WORLD_SIZE", "value": "2"} in env
+
+    wait_for(cluster, world_size, "world size 2 in the Deployment")
+    config_map = get(cluster, "configmap", f"{name}-engine") or {}
+    assert "tensor: 2" in config_map["data"]["engine.yaml"]
+    wait_status(cluster, name, lambda o: o["status"].get("observedGeneration") == 4, "generation 4")
 
 
 def topology_change(cluster: Cluster, name: str = "tiny-cpu") -> None:

@@ -127,6 +127,12 @@ class KubeClient:
         )
         return result
 
+    def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        metadata = obj["metadata"]
+        path = resource_path(obj["apiVersion"], obj["kind"], metadata.get("namespace"), None)
+        result: dict[str, Any] = self.request("POST", path, body=obj)
+        return result
+
     def get(
         self, api_version: str, kind: str, namespace: str | None, name: str
     ) -> dict[str, Any] | None:

@@ -154,7 +154,10 @@ def test_missing_leader_worker_set_is_degraded(
     kube_api.create_namespace(NAMESPACE)
     cluster = EmulatedCluster(kube_api)  # no LeaderWorkerSet CRD here
     process = OperatorProcess.start(
-        kube_api.kubeconfig, tmp_path / "operator.log", namespaces=[NAMESPACE]
+        kube_api.kubeconfig,
+        tmp_path / "operator.log",
+        namespaces=[NAMESPACE],
+        extra_args=("--resync-seconds=0.5",),
     )
     try:
         scenarios.apply(cluster, scenarios.manifest("qwen-110b-npu-tp4-pp2", NAMESPACE))
@@ -169,6 +172,17 @@ def test_missing_leader_worker_set_is_degraded(
         assert scenarios.get(cluster, "configmap", "qwen-110b-engine") is not None
         assert scenarios.get(cluster, "service", "qwen-110b") is not None
         assert process.healthy()
+        # Installing LeaderWorkerSet heals it at the next resync, with no change to the spec.
+        kube_api.create(leaderworkerset_crd())
+        scenarios.wait_for(
+            cluster, lambda: scenarios.get(cluster, "leaderworkerset", "qwen-110b"), "the LWS"
+        )
+        scenarios.wait_status(
+            cluster,
+            "qwen-110b",
+            lambda o: scenarios.condition(o, "Degraded").get("status") == "False",
+            "Degraded=False",
+        )
     finally:
         assert process.stop() == 0
         _record_rbac(kube_api)
@@ -219,6 +233,21 @@ def test_killed_mid_reconcile_resumes_without_duplicates(
     finally:
         assert second.stop() == 0
         _record_rbac(api)
+
+
+def test_conflicts_and_server_errors_are_retried(
+    cluster: EmulatedCluster, operator: OperatorProcess
+) -> None:
+    api = cluster.api
+    deployments = kmock.resource("apps", "v1", "deployments")
+    api.handler[kmock.method.PATCH, deployments][:2] << 409
+    api.handler[kmock.method.GET, deployments][:1] << 503
+    scenarios.create_converges(cluster)  # ends Ready, so the retries went through
+    llmi = scenarios.get(cluster, "llmi", "tiny-cpu")
+    assert scenarios.condition(llmi, "Degraded")["status"] == "False"
+    metrics = operator.metrics()
+    assert 'brook_operator_reconcile_errors_total{code="409"} 2.0' in metrics
+    assert 'brook_operator_reconciles_total{result="error"}' in metrics
 
 
 def test_zz_rbac_rules_are_exactly_what_the_operator_used() -> None:
