@@ -83,6 +83,21 @@ class LayerKVCache:
         _store(self.k, slots, k)
         _store(self.v, slots, v)
 
+    def as_stored(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [tokens, kv_heads, head_dim] as ``read`` would return them after ``write``
+        ([kv_heads, tokens, head_dim]): attention over a fresh prompt then sees exactly what
+        a later chunk, a decode or a request sharing the prefix reads from the cache, so
+        outputs do not depend on how a prompt was split or shared."""
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+        dtype = self.k.dtype
+        if self.k_scale is not None:
+            (qk, sk), (qv, sv) = _quantize_e4m3(k), _quantize_e4m3(v)
+            c = self.compute_dtype
+            return qk.to(c) * sk.to(c), qv.to(c) * sv.to(c)
+        if dtype == self.compute_dtype:
+            return k, v
+        return k.to(dtype).to(self.compute_dtype), v.to(dtype).to(self.compute_dtype)
+
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values at ``slots`` (any shape S) as [kv_heads, *S, head_dim] in the
         compute dtype."""

@@ -22,6 +22,7 @@ from brook_engine.metrics.stats import EngineStats, FinishedRequestStats
 from brook_engine.model_runner import ModelRunner
 from brook_engine.models.arch import ModelArch
 from brook_engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from brook_engine.prefix_cache import PrefixCache
 from brook_engine.sampling_params import SamplingParams
 from brook_engine.scheduler import Scheduler
 from brook_engine.sequence import FinishReason, Sequence
@@ -75,10 +76,7 @@ def check_supported(config: EngineConfig) -> None:
         raise ConfigError("; ".join(problems))
     inactive = [
         name
-        for name, on in (
-            ("kvCache.prefixSharing", config.kv_cache.prefix_sharing.enabled),
-            ("kvCache.dynamicPrecision", config.kv_cache.dynamic_precision.enabled),
-        )
+        for name, on in (("kvCache.dynamicPrecision", config.kv_cache.dynamic_precision.enabled),)
         if on
     ]
     if inactive:
@@ -98,7 +96,13 @@ class LLMEngine:
         self.served_name = config.model.served_name or folder.name
         self.runner = ModelRunner(config, folder, self.arch, self.backend, progress)
         self.max_model_len = self.runner.max_model_len
-        self.block_manager = BlockManager(self.runner.num_blocks, config.kv_cache.block_size)
+        sharing = config.kv_cache.prefix_sharing
+        self.block_manager = BlockManager(
+            self.runner.num_blocks,
+            config.kv_cache.block_size,
+            PrefixCache(sharing.eviction, sharing.hash) if sharing.enabled else None,
+            sharing.min_prefix_len or 0,
+        )
         needed = self.block_manager.blocks_needed(self.max_model_len)
         if self.runner.num_blocks < needed:
             raise ConfigError(
@@ -206,6 +210,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """Gauges and running totals as of now (cheap; called after every step)."""
+        cache = self.block_manager.cache
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -214,6 +219,10 @@ class LLMEngine:
             num_prompt_tokens_total=self.num_prompt_tokens_total,
             num_generation_tokens_total=self.num_generation_tokens_total,
             num_preemptions_total=self.scheduler.num_preemptions_total,
+            prefix_cache_queries_total=cache.num_queries if cache else 0,
+            prefix_cache_hits_total=cache.num_hits if cache else 0,
+            prefix_cache_evictions_total=cache.num_evictions if cache else 0,
+            num_cached_blocks=self.block_manager.num_cached_blocks,
             memory_bytes=self.runner.memory_bytes(),
         )
 
@@ -261,6 +270,7 @@ class LLMEngine:
         now = time.monotonic()
         for seq, num_new, result in zip(batch.seqs, batch.num_new_tokens, results, strict=True):
             seq.num_computed_tokens += num_new
+            self.block_manager.cache_full_blocks(seq)
             if result is None:
                 continue
             token = result.token_ids[0]

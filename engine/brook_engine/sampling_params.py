@@ -50,6 +50,10 @@ class SamplingParams(BaseModel):
     skip_special_tokens: bool = True
     """Leave special tokens out of the returned text."""
 
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    """Mixed into the prefix-cache keys: only requests with the same salt share KV blocks
+    (one salt per tenant keeps tenants from probing each other's prompts by timing)."""
+
     @model_validator(mode="after")
     def _consistent(self) -> SamplingParams:
         if self.min_tokens > self.max_tokens:
@@ -59,6 +63,11 @@ class SamplingParams(BaseModel):
         if any(not s for s in self.stop):
             raise ValueError("stop holds an empty string; remove it")
         return self
+
+    @property
+    def cache_extra(self) -> tuple[str, ...]:
+        """Extra keys of this request's prefix-cache blocks."""
+        return () if self.cache_salt is None else (self.cache_salt,)
 
     @property
     def is_greedy(self) -> bool:

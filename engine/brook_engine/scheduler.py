@@ -90,12 +90,14 @@ class Scheduler:
             return batch  # memory is short: admit nobody new this step
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            num_new = self._fit(seq.num_uncomputed_tokens, budget)
-            if num_new == 0:
+            shared = self.block_manager.share_prefix(seq)
+            num_new = self._fit(seq.num_uncomputed_tokens - shared, budget)
+            total = seq.num_computed_tokens + shared + num_new
+            if num_new == 0 or not self.block_manager.can_grow(seq.block_table, total):
+                if shared:  # give the shared blocks back; they are looked up again later
+                    self.block_manager.release(seq.block_table, seq)
                 break
-            total = seq.num_computed_tokens + num_new
-            if not self.block_manager.can_grow(seq.block_table, total):
-                break
+            seq.num_computed_tokens += shared
             self.waiting.popleft()
             self.block_manager.grow(seq.block_table, total)
             seq.status = SequenceStatus.RUNNING
@@ -129,7 +131,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.block_manager.release(seq.block_table)
+        self.block_manager.release(seq.block_table, seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions_total += 1
@@ -142,6 +144,6 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        self.block_manager.release(seq.block_table)
+        self.block_manager.release(seq.block_table, seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -54,7 +54,7 @@ def paged_attention(
     for span in meta.prefills:
         rows = slice(span.start, span.start + span.num_tokens)
         if span.slots is None:
-            ck, cv = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
+            ck, cv = cache.as_stored(k[rows], v[rows])  # [kv_heads, new, head_dim]
         else:
             ck, cv = cache.read(span.slots)  # [kv_heads, context, head_dim]
         out[rows] = (

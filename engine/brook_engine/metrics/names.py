@@ -18,6 +18,7 @@ KV_CACHE_USAGE_RATIO: Final = "brook_engine_kv_cache_usage_ratio"
 KV_CACHE_NUM_BLOCKS: Final = "brook_engine_kv_cache_num_blocks"
 COMM_COMPUTE_OVERLAP_RATIO: Final = "brook_engine_comm_compute_overlap_ratio"
 DEVICE_MEMORY_BYTES: Final = "brook_engine_device_memory_bytes"  # label: kind
+KV_CACHE_CACHED_BLOCKS: Final = "brook_engine_kv_cache_cached_blocks"  # unreferenced, kept
 MODEL_INFO: Final = "brook_engine_model_info"  # value 1; labels describe model and config
 
 # Counters.
@@ -27,6 +28,7 @@ GENERATION_TOKENS_TOTAL: Final = "brook_engine_generation_tokens_total"
 PREEMPTIONS_TOTAL: Final = "brook_engine_num_preemptions_total"
 PREFIX_CACHE_QUERIES_TOTAL: Final = "brook_engine_prefix_cache_queries_total"  # tokens looked up
 PREFIX_CACHE_HITS_TOTAL: Final = "brook_engine_prefix_cache_hits_total"  # tokens found
+PREFIX_CACHE_EVICTIONS_TOTAL: Final = "brook_engine_prefix_cache_evictions_total"  # blocks
 
 # Histograms (per finished request).
 TIME_TO_FIRST_TOKEN_SECONDS: Final = "brook_engine_time_to_first_token_seconds"

@@ -74,6 +74,14 @@ class EngineMetrics:
         self.prefix_hits = counter(
             names.PREFIX_CACHE_HITS_TOTAL, "Prompt tokens found in the prefix cache."
         )
+        self.prefix_evictions = counter(
+            names.PREFIX_CACHE_EVICTIONS_TOTAL, "Cached KV blocks evicted for new ones."
+        )
+        self.cached_blocks = Gauge(
+            names.KV_CACHE_CACHED_BLOCKS,
+            "KV blocks no request holds, kept for a later request with the same prefix.",
+            registry=registry,
+        )
         self.ttft = histogram(
             names.TIME_TO_FIRST_TOKEN_SECONDS,
             "Arrival to first generated token.",
@@ -100,6 +108,7 @@ class EngineMetrics:
         for g in self.kv_usage:
             g.set(stats.kv_cache_usage)
         self.kv_blocks.set(stats.num_kv_blocks)
+        self.cached_blocks.set(stats.num_cached_blocks)
         self.overlap.set(stats.comm_compute_overlap)
         for kind, value in stats.memory_bytes.items():
             self.memory.labels(kind=kind).set(value)
@@ -110,6 +119,7 @@ class EngineMetrics:
             (self.preemptions, "num_preemptions_total"),
             (self.prefix_queries, "prefix_cache_queries_total"),
             (self.prefix_hits, "prefix_cache_hits_total"),
+            (self.prefix_evictions, "prefix_cache_evictions_total"),
         ):
             now, before = getattr(stats, field), getattr(last, field) if last else 0
             if now > before:

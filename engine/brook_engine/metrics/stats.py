@@ -19,6 +19,8 @@ class EngineStats:
     num_preemptions_total: int
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
+    prefix_cache_evictions_total: int = 0
+    num_cached_blocks: int = 0  # unreferenced blocks kept for their prefix
     comm_compute_overlap: float = 1.0  # 1 when nothing is communicated
     memory_bytes: dict[str, int] = field(default_factory=dict)  # kind -> bytes
 
