@@ -154,6 +154,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="batch: all requests at once; single: one at a time; serve: offline API vs the "
         "HTTP server at --concurrency streams (serving overhead)",
     )
+    bench.add_argument(
+        "--workload",
+        choices=("random", "shared-prefix", "zipf-prefix", "long-context"),
+        default="random",
+        help="random: --input-len/--output-len; shared-prefix: one 1,024-token system prompt "
+        "+ 64-token questions, sharing off vs on; zipf-prefix: Zipf-popular prefixes with a "
+        "cache of 20%% of them, LRU vs LFU; long-context: KV bytes per token and quality of "
+        "the default precision policy vs FP16",
+    )
     bench.add_argument("--concurrency", type=int, default=16, help="streams for --mode serve")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--compare", default="", help="peers to run too: hf, vllm (comma list)")

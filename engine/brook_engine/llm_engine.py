@@ -18,6 +18,7 @@ import torch
 from brook_engine.block_manager import BlockManager
 from brook_engine.config import ConfigError, EngineConfig, ModelConfig, split_model_uri
 from brook_engine.device import resolve_backend
+from brook_engine.kv_calibration import calibration_text
 from brook_engine.metrics.stats import EngineStats, FinishedRequestStats
 from brook_engine.model_runner import ModelRunner
 from brook_engine.models.arch import ModelArch
@@ -74,13 +75,6 @@ def check_supported(config: EngineConfig) -> None:
         problems.append("shapes.mode: compile is not available yet; use eager")
     if problems:
         raise ConfigError("; ".join(problems))
-    inactive = [
-        name
-        for name, on in (("kvCache.dynamicPrecision", config.kv_cache.dynamic_precision.enabled),)
-        if on
-    ]
-    if inactive:
-        log.warning("not active in this build (settings kept, no effect): %s", ", ".join(inactive))
 
 
 class LLMEngine:
@@ -94,7 +88,15 @@ class LLMEngine:
         tokenizer_folder = Path(config.model.tokenizer) if config.model.tokenizer else folder
         self.tokenizer = Tokenizer(tokenizer_folder)
         self.served_name = config.model.served_name or folder.name
-        self.runner = ModelRunner(config, folder, self.arch, self.backend, progress)
+        dynamic = config.kv_cache.dynamic_precision
+        calibration_ids = (
+            self.tokenizer.encode(calibration_text(dynamic.calibration_file))
+            if dynamic.enabled
+            else None
+        )
+        self.runner = ModelRunner(
+            config, folder, self.arch, self.backend, progress, calibration_ids
+        )
         self.max_model_len = self.runner.max_model_len
         sharing = config.kv_cache.prefix_sharing
         self.block_manager = BlockManager(
@@ -211,6 +213,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """Gauges and running totals as of now (cheap; called after every step)."""
         cache = self.block_manager.cache
+        runner = self.runner
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -223,8 +226,25 @@ class LLMEngine:
             prefix_cache_hits_total=cache.num_hits if cache else 0,
             prefix_cache_evictions_total=cache.num_evictions if cache else 0,
             num_cached_blocks=self.block_manager.num_cached_blocks,
-            memory_bytes=self.runner.memory_bytes(),
+            kv_bytes_per_token=runner.kv_bytes_per_token,
+            kv_layer_dtypes=tuple(runner.layer_kinds),
+            kv_calibration_errors=tuple(runner.calibration.errors) if runner.calibration else (),
+            kv_used_bytes=runner.kv_bytes_by_dtype(self.block_manager.num_used_blocks),
+            memory_bytes=runner.memory_bytes(),
         )
+
+    def estimate_memory(self, seq_len: int, batch: int) -> dict[str, int]:
+        """Bytes ``batch`` sequences of ``seq_len`` tokens take on the device under this
+        engine's KV policy (as calibrated): weights, their KV blocks, and the total."""
+        blocks = batch * self.block_manager.blocks_needed(seq_len)
+        kv = blocks * self.block_manager.block_size * self.runner.kv_bytes_per_token
+        weights = self.runner.weight_bytes
+        return {"weights": weights, "kv_cache": kv, "total": weights + kv}
+
+    def sequences_fitting(self, seq_len: int, kv_budget_bytes: int) -> int:
+        """How many ``seq_len``-token sequences a KV budget of this many bytes holds."""
+        per_sequence = self.estimate_memory(seq_len, 1)["kv_cache"]
+        return kv_budget_bytes // per_sequence
 
     def take_finished_stats(self) -> list[FinishedRequestStats]:
         """Requests that ended since the last call, finished or aborted."""

@@ -3,21 +3,25 @@ flatten the batch into token, position and slot tensors, run the decoder, sample
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from brook_engine.config import EngineConfig
 from brook_engine.device import Backend
 from brook_engine.kv_cache import LayerKVCache, bytes_per_token
+from brook_engine.kv_calibration import Calibration, choose, measure_errors, summarize
 from brook_engine.layers.attention import AttentionMetadata, PrefillSpan
 from brook_engine.layers.rotary import RotaryEmbedding
 from brook_engine.layers.sampler import SampleResult, sample
 from brook_engine.models.arch import ModelArch
 from brook_engine.models.llama import CausalLM
 from brook_engine.models.loader import load_weights
+from brook_engine.sampling_params import SamplingParams
 from brook_engine.scheduler import ScheduledBatch
 from brook_engine.sequence import Sequence
 
@@ -28,7 +32,13 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 
 class ModelRunner:
     def __init__(
-        self, config: EngineConfig, folder: Path, arch: ModelArch, backend: Backend, progress: bool
+        self,
+        config: EngineConfig,
+        folder: Path,
+        arch: ModelArch,
+        backend: Backend,
+        progress: bool,
+        calibration_ids: list[int] | None = None,
     ) -> None:
         self.config = config
         self.arch = arch
@@ -60,6 +70,12 @@ class ModelRunner:
             self.device,
         )
         self.layer_kinds = config.kv_cache.layer_dtypes(arch.num_layers)
+        self.calibration: Calibration | None = None
+        dynamic = config.kv_cache.dynamic_precision
+        if dynamic.enabled and calibration_ids:
+            self.calibration = self._calibrate(calibration_ids)
+            self.layer_kinds = self.calibration.chosen
+            log.info("%s", summarize(self.calibration))
         self.num_blocks = self._num_blocks()
         self.caches = [
             LayerKVCache.allocate(
@@ -75,12 +91,67 @@ class ModelRunner:
         ]
         self.generators: dict[str, torch.Generator] = {}
 
+    @torch.inference_mode()
+    def _calibrate(self, token_ids: list[int]) -> Calibration:
+        """Measure each low-precision layer's attention error on ``token_ids`` (one prefill
+        with exact KV) and choose its storage dtype; see ``kv_calibration``."""
+        dynamic = self.config.kv_cache.dynamic_precision
+        ids = token_ids[: min(len(token_ids), self.max_model_len, 1024)]
+        size = self.block_size
+        blocks = -(-len(ids) // size)
+        self.caches = [
+            LayerKVCache.allocate(
+                blocks, size, self.arch.num_kv_heads, self.arch.head_dim, "auto", self.dtype,
+                self.device,
+            )
+            for _ in self.layer_kinds
+        ]  # fmt: skip
+        seq = Sequence("kv-calibration", list(ids), len(ids), SamplingParams())
+        seq.block_table = list(range(blocks))
+        layers: list[Any] = [layer.self_attn for layer in self.model.model.layers]
+        captured: list[Any] = [None] * len(layers)
+
+        def capture(index: int, _module: Any, args: tuple[Any, ...]) -> None:
+            captured[index] = (args[0], args[1])
+
+        hooks = [
+            attn.register_forward_pre_hook(functools.partial(capture, i))
+            for i, attn in enumerate(layers)
+        ]
+        try:
+            input_ids, positions, meta, _, _ = self._prepare([seq], [len(ids)])
+            self.model(input_ids, positions, self.rotary, self.caches, meta)
+        finally:
+            for hook in hooks:
+                hook.remove()
+            self.caches = []
+        errors = measure_errors(layers, captured, self.layer_kinds, self.dtype)
+        chosen = choose(
+            self.layer_kinds,
+            errors,
+            dynamic.sensitivity_threshold,
+            dynamic.fallback_dtype,
+            self.dtype,
+        )
+        return Calibration(list(self.layer_kinds), chosen, errors, len(ids))
+
     @property
     def kv_bytes_per_token(self) -> int:
         return sum(
             bytes_per_token(kind, self.dtype, self.arch.num_kv_heads, self.arch.head_dim)
             for kind in self.layer_kinds
         )
+
+    def kv_bytes_by_dtype(self, num_blocks: int) -> dict[str, int]:
+        """Bytes ``num_blocks`` blocks take in the layers of each storage dtype."""
+        out: dict[str, int] = {}
+        for kind in self.layer_kinds:
+            per_token = bytes_per_token(
+                kind, self.dtype, self.arch.num_kv_heads, self.arch.head_dim
+            )
+            name = str(self.dtype).removeprefix("torch.") if kind == "auto" else kind
+            out[name] = out.get(name, 0) + per_token * num_blocks * self.block_size
+        return out
 
     def _num_blocks(self) -> int:
         kv = self.config.kv_cache

@@ -34,6 +34,8 @@ def _cell(value: Any, fmt: str) -> str:
 
 
 def bench(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    if args.workload != "random":
+        return _bench_kv(args, options)
     if args.mode == "serve":
         return _bench_serving(args, options)
     config = engine_config_from_options(args.model, options)
@@ -78,6 +80,33 @@ def bench(args: argparse.Namespace, options: dict[str, Any]) -> int:
                 print(f"peer {peer} failed: {exc}", file=sys.stderr)
     _print(reports, args.json)
     return 1 if failures else 0
+
+
+def _bench_kv(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    from brook_engine.bench import kv_workloads
+
+    run = {
+        "shared-prefix": kv_workloads.shared_prefix,
+        "zipf-prefix": kv_workloads.zipf_prefix,
+        "long-context": kv_workloads.long_context,
+    }[args.workload]
+    result = run(args.model, options, args.num_requests, args.seed, not args.json)
+    if args.json:
+        out = {"reports": [r.as_dict() for r in result.reports], "summary": result.summary}
+        print(json.dumps(out, indent=2, default=str))
+        return 0
+    if result.reports:
+        columns = (*_COLUMNS, ("peak_kv_mb", "{:.1f}"), ("prefix_hit_rate", "{:.1%}"))
+        header = " | ".join(name for name, _ in columns)
+        print(header)
+        print("-" * len(header))
+        for r in result.reports:
+            values = {**r.as_dict(), **r.extra}
+            print(" | ".join(_cell(values.get(name), fmt) for name, fmt in columns))
+        print()
+    for key, value in result.summary.items():
+        print(f"{key}: {value:.3f}" if isinstance(value, float) else f"{key}: {value}")
+    return 0
 
 
 def _bench_serving(args: argparse.Namespace, options: dict[str, Any]) -> int:

@@ -59,6 +59,9 @@ def run_engine(
     ttft: list[float] = []
     tpot: list[float] = []
     generated = 0
+    peak_blocks = 0
+    cache = engine.block_manager.cache
+    queries0, hits0 = (cache.num_queries, cache.num_hits) if cache else (0, 0)
     start = time.perf_counter()
     bar = tqdm(total=len(workload.prompts), desc=f"brook ({mode})", disable=not progress)
     groups = (
@@ -74,7 +77,9 @@ def run_engine(
             )
             engine.add_request(f"bench-{i}", workload.prompts[i], params)
         while engine.has_unfinished_requests():
-            for out in engine.step():
+            step_outputs = engine.step()
+            peak_blocks = max(peak_blocks, engine.block_manager.num_used_blocks)
+            for out in step_outputs:
                 if not out.finished:
                     continue
                 n = len(out.outputs[0].token_ids)
@@ -87,6 +92,7 @@ def run_engine(
                 bar.update(1)
     elapsed = time.perf_counter() - start
     bar.close()
+    block_bytes = engine.runner.memory_bytes()["kv_cache"] / engine.runner.num_blocks
     prompt_tokens = workload.num_prompt_tokens
     return BenchReport(
         engine="brook",
@@ -106,5 +112,23 @@ def run_engine(
             "preemptions": engine.scheduler.num_preemptions_total,
             "kv_blocks": engine.runner.num_blocks,
             "mean_ttft_s": statistics.fmean(ttft) if ttft else None,
+            "peak_kv_blocks": peak_blocks,
+            "peak_kv_mb": peak_blocks * block_bytes / 2**20,
+            "prefix_hit_rate": (
+                (cache.num_hits - hits0) / max(1, cache.num_queries - queries0) if cache else 0.0
+            ),
         },
     )
+
+
+def greedy_outputs(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy token ids of each prompt (all at once; ``max_tokens`` each, EOS ignored)."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"greedy-{i}", prompt, params)
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    return [done[f"greedy-{i}"] for i in range(len(prompts))]

@@ -18,6 +18,10 @@ KV_CACHE_USAGE_RATIO: Final = "brook_engine_kv_cache_usage_ratio"
 KV_CACHE_NUM_BLOCKS: Final = "brook_engine_kv_cache_num_blocks"
 COMM_COMPUTE_OVERLAP_RATIO: Final = "brook_engine_comm_compute_overlap_ratio"
 DEVICE_MEMORY_BYTES: Final = "brook_engine_device_memory_bytes"  # label: kind
+KV_CACHE_BYTES_PER_TOKEN: Final = "brook_engine_kv_cache_bytes_per_token"
+KV_CACHE_LAYERS: Final = "brook_engine_kv_cache_layers"  # label: dtype
+KV_CACHE_USED_BYTES: Final = "brook_engine_kv_cache_used_bytes"  # label: dtype
+KV_CALIBRATION_ERROR: Final = "brook_engine_kv_calibration_error"  # label: layer
 KV_CACHE_CACHED_BLOCKS: Final = "brook_engine_kv_cache_cached_blocks"  # unreferenced, kept
 MODEL_INFO: Final = "brook_engine_model_info"  # value 1; labels describe model and config
 

@@ -82,6 +82,26 @@ class EngineMetrics:
             "KV blocks no request holds, kept for a later request with the same prefix.",
             registry=registry,
         )
+        self.kv_bytes_per_token = Gauge(
+            names.KV_CACHE_BYTES_PER_TOKEN,
+            "KV-cache bytes one token takes over all layers (keys, values, scales).",
+            registry=registry,
+        )
+        self.kv_layers = Gauge(
+            names.KV_CACHE_LAYERS, "Layers storing KV in each dtype.", ["dtype"], registry=registry
+        )
+        self.kv_used_bytes = Gauge(
+            names.KV_CACHE_USED_BYTES,
+            "KV-cache bytes held by live requests, by storage dtype.",
+            ["dtype"],
+            registry=registry,
+        )
+        self.kv_errors = Gauge(
+            names.KV_CALIBRATION_ERROR,
+            "Relative attention-output error low-precision KV storage adds, per measured layer.",
+            ["layer"],
+            registry=registry,
+        )
         self.ttft = histogram(
             names.TIME_TO_FIRST_TOKEN_SECONDS,
             "Arrival to first generated token.",
@@ -109,6 +129,14 @@ class EngineMetrics:
             g.set(stats.kv_cache_usage)
         self.kv_blocks.set(stats.num_kv_blocks)
         self.cached_blocks.set(stats.num_cached_blocks)
+        self.kv_bytes_per_token.set(stats.kv_bytes_per_token)
+        for dtype in set(stats.kv_layer_dtypes):
+            self.kv_layers.labels(dtype=dtype).set(stats.kv_layer_dtypes.count(dtype))
+        for dtype, value in stats.kv_used_bytes.items():
+            self.kv_used_bytes.labels(dtype=dtype).set(value)
+        for layer, error in enumerate(stats.kv_calibration_errors):
+            if error is not None:
+                self.kv_errors.labels(layer=str(layer)).set(error)
         self.overlap.set(stats.comm_compute_overlap)
         for kind, value in stats.memory_bytes.items():
             self.memory.labels(kind=kind).set(value)

@@ -21,6 +21,10 @@ class EngineStats:
     prefix_cache_hits_total: int = 0
     prefix_cache_evictions_total: int = 0
     num_cached_blocks: int = 0  # unreferenced blocks kept for their prefix
+    kv_bytes_per_token: int = 0  # all layers, keys and values, scales included
+    kv_layer_dtypes: tuple[str, ...] = ()  # storage dtype per layer, after calibration
+    kv_calibration_errors: tuple[float | None, ...] = ()  # per layer; None: not measured
+    kv_used_bytes: dict[str, int] = field(default_factory=dict)  # dtype -> bytes live blocks hold
     comm_compute_overlap: float = 1.0  # 1 when nothing is communicated
     memory_bytes: dict[str, int] = field(default_factory=dict)  # kind -> bytes
 

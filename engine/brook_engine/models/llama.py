@@ -39,15 +39,20 @@ class Attention(nn.Module):
         cache: LayerKVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        q, k, v = self.project(x, rotary)
+        out = paged_attention(q, k, v, cache, meta, self.scale)
+        return self.o_proj(out.reshape(x.shape[0], self.q_size))  # type: ignore[no-any-return]
+
+    def project(
+        self, x: torch.Tensor, rotary: Rotary
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys (both rotated) and values: [tokens, heads or kv_heads, head_dim]."""
         tokens = x.shape[0]
         heads = self.num_heads + 2 * self.num_kv_heads
         qkv = self.qkv_proj(x).view(tokens, heads, self.head_dim)
         rotated = self.num_heads + self.num_kv_heads  # q and k heads are adjacent
         qk = apply_rotary(qkv[:, :rotated], *rotary)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, rotated:]
-        out = paged_attention(q, k, v, cache, meta, self.scale)
-        return self.o_proj(out.reshape(tokens, self.q_size))  # type: ignore[no-any-return]
+        return qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, rotated:]
 
 
 class MLP(nn.Module):

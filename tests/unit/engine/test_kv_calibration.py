@@ -1,0 +1,100 @@
+"""Dynamic KV precision: per-layer errors are measured where storage loses precision, the
+threshold decides the fallback, the outcome is logged and exported, and the memory
+estimate follows the chosen dtypes."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from brook_engine import LLM
+from brook_engine.config import ConfigError
+from brook_engine.kv_cache import bytes_per_token
+from brook_engine.metrics.prometheus import EngineMetrics
+
+POLICY = [
+    {"start": 0.0, "end": 0.5, "dtype": "fp8_e5m2"},
+    {"start": 0.5, "end": 0.75, "dtype": "fp8_e4m3"},
+    {"start": 0.75, "end": 1.0, "dtype": "fp16"},
+]
+
+
+def _llm(path: Path, **dynamic: Any) -> LLM:
+    return LLM(
+        str(path),
+        dtype="float32",
+        max_model_len=256,
+        kv_cache={
+            "num_blocks": 64,
+            "layer_policies": POLICY,
+            "dynamic_precision": {"enabled": True, **dynamic},
+        },
+        progress=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny(make_tiny_model: Callable[..., Path]) -> Path:
+    return make_tiny_model("llama", num_hidden_layers=4)
+
+
+def test_errors_are_measured_for_lossy_layers_and_the_threshold_decides(tiny: Path) -> None:
+    keep_all = _llm(tiny, sensitivity_threshold=1.0).engine.runner
+    assert keep_all.calibration is not None
+    assert keep_all.layer_kinds == ["fp8_e5m2", "fp8_e5m2", "fp8_e4m3", "fp16"]
+    errors = keep_all.calibration.errors
+    assert all(e is not None and 0 < e < 1 for e in errors)  # fp16 loses bits of float32
+    # Two mantissa bits lose more than three (with scales), and more than FP16's ten.
+    assert min(errors[0], errors[1]) > errors[2] > errors[3]  # type: ignore[operator]
+
+    strict = _llm(tiny, sensitivity_threshold=float(errors[2]) * 1.01).engine.runner  # type: ignore[arg-type]
+    assert strict.layer_kinds == ["fp16", "fp16", "fp8_e4m3", "fp16"]
+    assert strict.kv_bytes_per_token > keep_all.kv_bytes_per_token
+
+
+def test_the_outcome_is_logged_and_exported(tiny: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="brook_engine.model_runner"):
+        llm = _llm(tiny, sensitivity_threshold=1e-9, fallback_dtype="bf16")
+    assert "fell back: 0:fp8_e5m2→bf16" in caplog.text
+    registry = CollectorRegistry()
+    EngineMetrics(registry, {"model": "tiny"}).record(llm.engine.stats())
+    layers = {
+        dtype: registry.get_sample_value("brook_engine_kv_cache_layers", {"dtype": dtype})
+        for dtype in ("bf16", "fp16")
+    }
+    assert layers == {"bf16": 3.0, "fp16": 1.0}
+    assert registry.get_sample_value("brook_engine_kv_calibration_error", {"layer": "0"}) > 0
+    assert (
+        registry.get_sample_value("brook_engine_kv_cache_bytes_per_token")
+        == llm.engine.runner.kv_bytes_per_token
+    )
+
+
+def test_memory_estimate_follows_the_chosen_dtypes(tiny: Path) -> None:
+    engine = _llm(tiny, sensitivity_threshold=1.0).engine
+    arch = engine.arch
+    per_token = sum(
+        bytes_per_token(kind, engine.runner.dtype, arch.num_kv_heads, arch.head_dim)
+        for kind in engine.runner.layer_kinds
+    )
+    estimate = engine.estimate_memory(seq_len=100, batch=3)
+    blocks = 3 * -(-100 // engine.block_manager.block_size)
+    assert estimate["kv_cache"] == blocks * engine.block_manager.block_size * per_token
+    assert estimate["total"] == estimate["kv_cache"] + engine.runner.weight_bytes
+    budget = 10 * estimate["kv_cache"] // 3 + 1
+    assert engine.sequences_fitting(100, budget) == 10
+
+
+def test_a_calibration_file_is_read_and_an_empty_one_refused(tiny: Path, tmp_path: Path) -> None:
+    text = tmp_path / "calibration.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    runner = _llm(tiny, calibration_file=str(text)).engine.runner
+    assert runner.calibration is not None and runner.calibration.num_tokens > 100
+    text.write_text("  \n")
+    with pytest.raises((ConfigError, ValueError), match="calibrationFile"):
+        _llm(tiny, calibration_file=str(text))
