@@ -95,7 +95,6 @@ class BlockManager:
             return 0
         size = self.block_size
         limit = (seq.num_tokens - 1) // size
-        self.cache.num_queries += seq.num_tokens
         seq.prefix_keys.clear()
         matched: list[int] = []
         parent: int | None = None
@@ -115,8 +114,13 @@ class BlockManager:
             self.cache.touch(block)  # counts the use; an unreferenced one leaves the evictable set
             self._ref_counts[block] += 1
         seq.block_table.extend(matched)
-        self.cache.num_hits += len(matched) * size
         return len(matched) * size
+
+    def record_lookup(self, num_tokens: int, num_hit: int) -> None:
+        """Count one admitted request's lookup (a refused admission is looked up again)."""
+        if self.cache is not None:
+            self.cache.num_queries += num_tokens
+            self.cache.num_hits += num_hit
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Make the blocks ``seq`` has filled since the last call findable by their prefix."""

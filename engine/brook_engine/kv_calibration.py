@@ -10,7 +10,9 @@ twice, with keys and values as computed and as the cache would store them:
     error = |attn(q, stored K, stored V) - attn(q, K, V)| / |attn(q, K, V)|
 
 Each layer is measured on the same (exact) inputs, so the errors do not compound and one
-layer's verdict does not depend on another's.
+layer's verdict does not depend on another's. A layer above ``sensitivityThreshold`` falls
+back step by step: an FP8 E5M2 layer first tries FP8 E4M3 with scales (the same byte, one
+more mantissa bit), and only then the 16-bit fallback.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ class Calibration:
     """Each layer's dtype after it (the fallback where the error was above the threshold)."""
 
     errors: list[float | None]
-    """Measured relative error per layer; None where the layer was not low precision."""
+    """Measured relative error per layer, of the last low-precision dtype tried (E4M3 for
+    an E5M2 layer that tried it); None where the layer was not low precision."""
 
     num_tokens: int
 

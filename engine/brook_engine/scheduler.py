@@ -98,6 +98,7 @@ class Scheduler:
                     self.block_manager.release(seq.block_table, seq)
                 break
             seq.num_computed_tokens += shared
+            self.block_manager.record_lookup(seq.num_tokens, shared)
             self.waiting.popleft()
             self.block_manager.grow(seq.block_table, total)
             seq.status = SequenceStatus.RUNNING

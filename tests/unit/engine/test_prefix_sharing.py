@@ -58,8 +58,6 @@ def test_a_shared_prompt_reuses_full_blocks_but_never_its_last_token() -> None:
     exact = _seq("c", list(range(8)))
     assert manager.share_prefix(exact) == 4
     manager.check_invariants()
-    assert manager.cache is not None
-    assert manager.cache.num_hits == 12 and manager.cache.num_queries == 19
 
 
 def test_a_salt_separates_tenants() -> None:
