@@ -44,6 +44,11 @@ class LayerKVCache:
     block_size: int
     k_scale: torch.Tensor | None = None  # [kv_heads, slots, 1], FP8 E4M3 only
     v_scale: torch.Tensor | None = None
+    # Subtracted from every key before it is stored, [kv_heads, head_dim] in the compute
+    # dtype. Attention is unchanged: a query's scores all move by q·shift, which softmax
+    # ignores. The stored keys are smaller, so low precision rounds them less (calibration
+    # sets it for the layers where it helps).
+    k_shift: torch.Tensor | None = None
 
     @classmethod
     def allocate(
@@ -74,6 +79,8 @@ class LayerKVCache:
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [tokens, kv_heads, head_dim] at ``slots`` [tokens]."""
+        if self.k_shift is not None:
+            k = k - self.k_shift
         k, v = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, tokens, head_dim]
         if self.k_scale is not None and self.v_scale is not None:
             k, k_scale = _quantize_e4m3(k)
@@ -88,6 +95,8 @@ class LayerKVCache:
         ([kv_heads, tokens, head_dim]): attention over a fresh prompt then sees exactly what
         a later chunk, a decode or a request sharing the prefix reads from the cache, so
         outputs do not depend on how a prompt was split or shared."""
+        if self.k_shift is not None:
+            k = k - self.k_shift
         k, v = k.transpose(0, 1), v.transpose(0, 1)
         dtype = self.k.dtype
         if self.k_scale is not None:

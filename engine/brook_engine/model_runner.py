@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from brook_engine.config import EngineConfig, KVDType
+from brook_engine.config import EngineConfig
 from brook_engine.device import Backend
 from brook_engine.kv_cache import LayerKVCache, bytes_per_token
-from brook_engine.kv_calibration import Calibration, choose, measure_errors, summarize
+from brook_engine.kv_calibration import Calibration, decide, summarize
 from brook_engine.layers.attention import AttentionMetadata, PrefillSpan
 from brook_engine.layers.rotary import RotaryEmbedding
 from brook_engine.layers.sampler import SampleResult, sample
@@ -89,6 +89,9 @@ class ModelRunner:
             )
             for kind in self.layer_kinds
         ]
+        if self.calibration is not None:
+            for cache, shift in zip(self.caches, self.calibration.shifts, strict=True):
+                cache.k_shift = shift
         self.generators: dict[str, torch.Generator] = {}
 
     @torch.inference_mode()
@@ -125,22 +128,15 @@ class ModelRunner:
             for hook in hooks:
                 hook.remove()
             self.caches = []
-        errors = measure_errors(layers, captured, self.layer_kinds, self.dtype)
-        threshold = dynamic.sensitivity_threshold
-        chosen = list(self.layer_kinds)
-        # An FP8 E5M2 layer above the threshold tries E4M3 (one more mantissa bit, scaled,
-        # still one byte) before the 16-bit fallback.
-        retry: list[KVDType] = [
-            "fp8_e4m3" if kind == "fp8_e5m2" and e is not None and e > threshold else "auto"
-            for kind, e in zip(self.layer_kinds, errors, strict=True)
-        ]
-        second = measure_errors(layers, captured, retry, self.dtype)
-        for i, e in enumerate(second):
-            if e is not None and e <= threshold:
-                chosen[i] = "fp8_e4m3"
-        final_errors = [s if s is not None else e for s, e in zip(second, errors, strict=True)]
-        chosen = choose(chosen, final_errors, threshold, dynamic.fallback_dtype, self.dtype)
-        return Calibration(list(self.layer_kinds), chosen, final_errors, len(ids))
+        chosen, errors, shifts = decide(
+            layers,
+            captured,
+            list(self.layer_kinds),
+            self.dtype,
+            dynamic.sensitivity_threshold,
+            dynamic.fallback_dtype,
+        )
+        return Calibration(list(self.layer_kinds), chosen, errors, shifts, len(ids))
 
     @property
     def kv_bytes_per_token(self) -> int:

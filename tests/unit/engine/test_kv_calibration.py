@@ -105,3 +105,40 @@ def test_a_calibration_file_is_read_and_an_empty_one_refused(tiny: Path, tmp_pat
     text.write_text("  \n")
     with pytest.raises((ConfigError, ValueError), match="calibrationFile"):
         _llm(tiny, calibration_file=str(text))
+
+
+def test_shifting_stored_keys_leaves_attention_unchanged(
+    make_tiny_model: Callable[..., Path],
+) -> None:
+    """Softmax ignores a constant added to all of a query's scores, so keys stored minus any
+    per-head vector give the same logits and tokens, in prefill and decode."""
+    import torch
+
+    llm = LLM(
+        str(make_tiny_model("llama")),
+        dtype="float32",
+        max_model_len=128,
+        kv_cache={
+            "num_blocks": 32,
+            "layer_policies": [{"start": 0.0, "end": 1.0, "dtype": "auto"}],
+            "dynamic_precision": {"enabled": False},
+            # Shifts are fixed at start-up; this test changes them on a live engine, so
+            # cached blocks of unshifted keys must not be reused after the change.
+            "prefix_sharing": {"enabled": False},
+        },
+        progress=False,
+    )
+    from brook_engine import SamplingParams
+
+    prompt = list(range(5, 45))
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain_logits = llm.engine.prompt_logits(prompt)
+    plain_tokens = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    generator = torch.Generator().manual_seed(0)
+    for cache in llm.engine.runner.caches:
+        heads, dim = cache.k.shape[0], cache.k.shape[2]
+        cache.k_shift = 3 * torch.randn(heads, dim, generator=generator)
+    shifted_logits = llm.engine.prompt_logits(prompt)
+    shifted_tokens = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    torch.testing.assert_close(shifted_logits, plain_logits, rtol=1e-4, atol=1e-4)
+    assert shifted_tokens == plain_tokens
