@@ -114,6 +114,11 @@ class PrefixCache:
         self._lru[block] = None
         if self.eviction == "lfu":
             heapq.heappush(self._lfu, (entry.hits, entry.last_used, block))
+            if len(self._lfu) > 2 * len(self._lru) + 64:  # stale entries: rebuild
+                self._lfu = [
+                    (self._entries[b].hits, self._entries[b].last_used, b) for b in self._lru
+                ]
+                heapq.heapify(self._lfu)
 
     def evict(self) -> int:
         """Forget one unreferenced cached block and return it for reuse."""

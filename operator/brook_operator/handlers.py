@@ -156,6 +156,9 @@ async def _resync(memo: kopf.Memo, stop: asyncio.Event) -> None:
                 memo["metrics"].errors.labels(str(exc.status)).inc()
                 log.warning("resync: listing failed: %s", exc)
                 continue
+            except Exception:  # the loop must outlive any one failure
+                log.exception("resync: listing failed")
+                continue
             for body in bodies:
                 try:
                     await asyncio.to_thread(_resync_one, reconciler, memo, body)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
+import urllib3
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
@@ -45,7 +46,7 @@ class KubeError(Exception):
     @property
     def retriable(self) -> bool:
         """Conflicts, throttling and server-side failures pass; the rest will not."""
-        return self.status in (409, 429) or self.status >= 500
+        return self.status in (0, 409, 429) or self.status >= 500
 
 
 def resource_path(api_version: str, kind: str, namespace: str | None, name: str | None) -> str:
@@ -106,10 +107,18 @@ class KubeClient:
             raw = response.read()  # type: ignore[no-untyped-call]
         except k8s.ApiException as exc:  # transport-level failures the client raises
             raise KubeError(exc.status or 0, str(exc.reason), str(exc.body)) from None
+        except (urllib3.exceptions.HTTPError, OSError) as exc:  # refused, reset, timed out
+            raise KubeError(0, "Transport", str(exc)) from None
         status = int(response.status)
-        payload = json.loads(raw) if raw else None
+        try:
+            payload = json.loads(raw) if raw else None
+        except ValueError:  # a proxy's HTML error page, say
+            payload = None
+            if status < 400:
+                raise KubeError(status, "BadResponse", raw[:200].decode(errors="replace")) from None
         if status >= 400:
-            message = payload.get("message", "") if isinstance(payload, dict) else str(raw)
+            text = raw.decode(errors="replace")[:500] if raw else ""
+            message = payload.get("message", "") if isinstance(payload, dict) else text
             reason = payload.get("reason", "") if isinstance(payload, dict) else ""
             raise KubeError(status, reason, message)
         return payload

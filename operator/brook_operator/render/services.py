@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from brook_operator.api import LLMInference, topology
+from brook_operator.api import LLMInference
 from brook_operator.render.labels import ROLE_LABEL, child_labels, selector_labels
 
 
@@ -38,14 +38,15 @@ def endpoint(llmi: LLMInference) -> str:
 
 
 def disruption_budget(llmi: LLMInference) -> dict[str, Any]:
-    """At most one replica's pods down at a time through voluntary disruptions (drains,
-    upgrades): evicting any pod of a multi-pod replica stops that whole replica."""
+    """At most one pod down at a time through voluntary disruptions (drains, upgrades):
+    evicting any pod of a multi-pod replica restarts that whole group, so one pod is one
+    replica."""
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": _metadata(llmi, llmi.metadata.name),
         "spec": {
-            "maxUnavailable": topology(llmi.spec).pods_per_replica,
+            "maxUnavailable": 1,
             "selector": {"matchLabels": selector_labels(llmi)},
         },
     }
