@@ -13,7 +13,7 @@ import torch
 
 from brook_engine.bench.gemm import measure_gemm_flops
 from brook_engine.bench.run import BenchReport, percentile, run_engine
-from brook_engine.bench.workload import parse_length, random_workload
+from brook_engine.bench.workload import Workload, parse_length, random_workload
 from brook_engine.llm import engine_config_from_options
 from brook_engine.llm_engine import LLMEngine
 
@@ -40,14 +40,7 @@ def bench(args: argparse.Namespace, options: dict[str, Any]) -> int:
         return _bench_serving(args, options)
     config = engine_config_from_options(args.model, options)
     engine = LLMEngine(config, progress=not args.json)
-    workload = random_workload(
-        args.num_requests,
-        parse_length(args.input_len),
-        parse_length(args.output_len),
-        engine.arch.vocab_size,
-        engine.tokenizer.special_ids | set(engine.eos_token_ids),
-        seed=args.seed,
-    )
+    workload = _random_workload(args, engine)
     report = run_engine(engine, workload, args.mode, progress=not args.json)
     gemm = measure_gemm_flops(dtype=engine.runner.dtype)
     params = sum(p.numel() for p in engine.runner.model.parameters())
@@ -80,6 +73,18 @@ def bench(args: argparse.Namespace, options: dict[str, Any]) -> int:
                 print(f"peer {peer} failed: {exc}", file=sys.stderr)
     _print(reports, args.json)
     return 1 if failures else 0
+
+
+def _random_workload(args: argparse.Namespace, engine: LLMEngine) -> Workload:
+    """The ``--num-requests``/``--input-len``/``--output-len`` workload for ``engine``."""
+    return random_workload(
+        args.num_requests,
+        parse_length(args.input_len),
+        parse_length(args.output_len),
+        engine.arch.vocab_size,
+        engine.tokenizer.special_ids | set(engine.eos_token_ids),
+        seed=args.seed,
+    )
 
 
 def _bench_kv(args: argparse.Namespace, options: dict[str, Any]) -> int:
@@ -119,14 +124,7 @@ def _bench_serving(args: argparse.Namespace, options: dict[str, Any]) -> int:
     options.pop("max_num_seqs", None)
     config = engine_config_from_options(args.model, options)
     engine = LLMEngine(config, progress=not args.json)
-    workload = random_workload(
-        args.num_requests,
-        parse_length(args.input_len),
-        parse_length(args.output_len),
-        engine.arch.vocab_size,
-        engine.tokenizer.special_ids | set(engine.eos_token_ids),
-        seed=args.seed,
-    )
+    workload = _random_workload(args, engine)
     offline = run_engine(engine, workload, "batch", progress=not args.json)
     offline.engine, offline.mode = "brook (offline)", f"batch×{args.concurrency}"
     del engine
