@@ -5,6 +5,8 @@
 - an event on a child Deployment or LeaderWorkerSet → status of its owner (no apply).
 - deletion → nothing: children carry owner references and the garbage collector removes
   them, so no finalizer holds the resource.
+- every ``spec.autoscaling.intervalSeconds``, for each autoscaled resource → one autoscaler
+  round (``brook_operator.autoscaler.loop``), in a loop of the operator's own.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import kopf
 
 from brook_operator.api import GROUP, PLURAL, VERSION
+from brook_operator.autoscaler.loop import Autoscaler, interval_seconds
 from brook_operator.controller import Reconciler, ReconcileResult
 from brook_operator.controller.events import post_transitions
 from brook_operator.controller.reconcile import LWS_API_VERSION
@@ -56,6 +59,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         from prometheus_client import CollectorRegistry
 
         memo["metrics"] = OperatorMetrics(CollectorRegistry())
+    if "autoscaler" not in memo:
+        memo["autoscaler"] = Autoscaler(memo["reconciler"])
 
 
 def _conditions(status: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
@@ -95,12 +100,21 @@ def reconcile(body: kopf.Body, memo: kopf.Memo, retry: int, **_: Any) -> None:
 
 
 @kopf.on.event(*RESOURCE)
-def forget(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:
-    """Metrics bookkeeping when a resource is gone. An event handler, not a delete handler:
-    those need a finalizer, and deletion here is the garbage collector's."""
+def track(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:
+    """Bookkeeping on every event: which resources the autoscaler sizes, and metrics when a
+    resource is gone. An event handler, not a delete handler: those need a finalizer, and
+    deletion here is the garbage collector's."""
+    metadata = body.get("metadata") or {}
+    key = (metadata.get("namespace"), str(metadata.get("name")))
+    autoscaled: dict[tuple[str | None, str], float] = memo.setdefault("autoscaled", {})
+    interval = None if type == "DELETED" else interval_seconds(dict(body))
+    if interval is None:
+        if autoscaled.pop(key, None) is not None:
+            memo["autoscaler"].forget(key)
+    else:
+        autoscaled[key] = interval
     if type == "DELETED":
-        metadata = body.get("metadata") or {}
-        memo["metrics"].forget(metadata.get("namespace"), str(metadata.get("name")))
+        memo["metrics"].forget(*key)
 
 
 def _refresh_owner(body: kopf.Body, memo: kopf.Memo) -> None:
@@ -181,16 +195,68 @@ def _resync_one(reconciler: Reconciler, memo: kopf.Memo, body: dict[str, Any]) -
     post_transitions(reconciler.kube, body, before, status)
 
 
+async def _autoscale(memo: kopf.Memo, stop: asyncio.Event) -> None:
+    """Each autoscaled resource gets a round every ``intervalSeconds``. The operator's own
+    loop rather than a kopf timer, for the reason given at ``_resync``; rounds of different
+    resources run concurrently, so one slow scrape delays no one else."""
+    next_round: dict[tuple[str | None, str], float] = {}
+    running: dict[tuple[str | None, str], asyncio.Task[None]] = {}
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=1.0)
+        now = time.monotonic()
+        autoscaled: dict[tuple[str | None, str], float] = memo.setdefault("autoscaled", {})
+        for key in list(next_round):
+            if key not in autoscaled:
+                del next_round[key]
+        for key, interval in list(autoscaled.items()):
+            busy = key in running and not running[key].done()
+            if busy or next_round.get(key, 0.0) > now:
+                continue
+            next_round[key] = now + interval
+            running[key] = asyncio.create_task(asyncio.to_thread(_autoscale_one, memo, key))
+    await asyncio.gather(*running.values(), return_exceptions=True)
+
+
+def _autoscale_one(memo: kopf.Memo, key: tuple[str | None, str]) -> None:
+    autoscaler: Autoscaler = memo["autoscaler"]
+    metrics: OperatorMetrics = memo["metrics"]
+    try:
+        body = autoscaler.kube.get(f"{GROUP}/{VERSION}", "LLMInference", key[0], key[1])
+        decision = autoscaler.run_once(body) if body is not None else None
+    except KubeError as exc:
+        metrics.errors.labels(str(exc.status)).inc()
+        metrics.decisions.labels("error").inc()
+        log.warning("autoscaling %s/%s failed: %s", key[0], key[1], exc)
+        return
+    except Exception:  # one resource's trouble must not end the loop
+        metrics.decisions.labels("error").inc()
+        log.exception("autoscaling %s/%s failed", key[0], key[1])
+        return
+    if decision is None:
+        return
+    if not decision.metrics_available:
+        outcome = "stale"
+    elif decision.desired == decision.current:
+        outcome = "hold"
+    else:
+        outcome = "scale_out" if decision.desired > decision.current else "scale_in"
+    metrics.decisions.labels(outcome).inc()
+
+
 @kopf.on.startup()
-async def start_resync(memo: kopf.Memo, **_: Any) -> None:
+async def start_loops(memo: kopf.Memo, **_: Any) -> None:
     stop = asyncio.Event()
-    memo["resync_stop"] = stop
-    memo["resync_task"] = asyncio.create_task(_resync(memo, stop))
+    memo["loops_stop"] = stop
+    memo["loop_tasks"] = [
+        asyncio.create_task(_resync(memo, stop)),
+        asyncio.create_task(_autoscale(memo, stop)),
+    ]
 
 
 @kopf.on.cleanup()
-async def stop_resync(memo: kopf.Memo, **_: Any) -> None:
-    stop: asyncio.Event | None = memo.get("resync_stop")
+async def stop_loops(memo: kopf.Memo, **_: Any) -> None:
+    stop: asyncio.Event | None = memo.get("loops_stop")
     if stop is not None:
         stop.set()
-        await memo["resync_task"]
+        await asyncio.gather(*memo["loop_tasks"])

@@ -9,6 +9,7 @@ RECONCILE_ERRORS = "brook_operator_reconcile_errors"
 RECONCILE_DURATION = "brook_operator_reconcile_duration_seconds"
 MANAGED_OBJECTS = "brook_operator_managed_objects"
 RESOURCES = "brook_operator_llminferences"
+AUTOSCALER_DECISIONS = "brook_operator_autoscaler_decisions"
 
 
 class OperatorMetrics:
@@ -42,6 +43,12 @@ class OperatorMetrics:
             RESOURCES,
             "LLMInference resources the operator has reconciled, by SpecValid.",
             ["spec_valid"],
+            registry=registry,
+        )
+        self.decisions = Counter(
+            AUTOSCALER_DECISIONS,
+            "Autoscaler rounds, by outcome (scale_out, scale_in, hold, stale, error).",
+            ["outcome"],
             registry=registry,
         )
         self._children: dict[tuple[str | None, str], list[str]] = {}

@@ -47,6 +47,9 @@ NAMESPACED_RULES: tuple[Rule, ...] = (
     Rule("policy", ("poddisruptionbudgets",), APPLY_VERBS),
     Rule("apps", ("deployments",), WORKLOAD_VERBS),
     Rule(LWS_GROUP, ("leaderworkersets",), WORKLOAD_VERBS),
+    # The autoscaler lists the leader pods to scrape their /metrics, and before a scale-in
+    # sets each one's pod-deletion-cost so the least-loaded one goes.
+    Rule("", ("pods",), ("list", "patch")),
     # Kubernetes Events on the resource (kopf posts core/v1 Events).
     Rule("", ("events",), ("create",)),
 )

@@ -124,6 +124,11 @@ compares them). Change them there first.
 - apiGroups: ["leaderworkerset.x-k8s.io"]
   resources: ["leaderworkersets"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# The autoscaler lists the leader pods to scrape their /metrics, and before a scale-in
+# sets each one's pod-deletion-cost so the least-loaded one goes.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list", "patch"]
 # Kubernetes Events on the resource (kopf posts core/v1 Events).
 - apiGroups: [""]
   resources: ["events"]

@@ -27,8 +27,9 @@ class AutoscalingSpec(Section):
     """Waiting requests per replica to keep at; a persistent queue above it scales out."""
 
     min_overlap_ratio: float = Field(default=0.7, ge=0, le=1)
-    """Communication/compute overlap floor: replicas below it while their KV usage is low
-    are under-fed, and are consolidated (scale in)."""
+    """Communication/compute overlap floor: replicas below it while their KV usage is under
+    target are under-fed, and are consolidated (packed up to the top of the tolerance band
+    instead of to the target)."""
 
     tolerance: float = Field(default=0.1, ge=0, lt=1)
     """Relative band around each target within which nothing changes."""

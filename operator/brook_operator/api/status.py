@@ -95,7 +95,7 @@ class ScalingDecision(Section):
     """Why, with the numbers."""
 
     limited_by: str | None = Field(default=None, max_length=64)
-    """The bound that clipped it (AtMax, AtMin, Cooldown, Stale, StepLimit), if any."""
+    """What clipped it (AtMax, AtMin, Cooldown, Stale, StepLimit, Startup), if any."""
 
 
 class AutoscalingStatus(Section):

@@ -42,37 +42,43 @@ def transitions(before: dict[str, Any] | None, after: dict[str, Any]) -> list[tu
     return out
 
 
-def post_transitions(
-    kube: KubeClient, body: dict[str, Any], before: dict[str, Any] | None, after: dict[str, Any]
+def post_event(
+    kube: KubeClient, body: dict[str, Any], type_: str, reason: str, message: str
 ) -> None:
-    """Post an Event per changed condition. Events are best effort: a failure is logged,
-    never raised."""
+    """Post one Event on ``body``. Best effort: a failure is logged, never raised."""
     metadata = body.get("metadata") or {}
     namespace = metadata.get("namespace") or "default"
     now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    event = {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"generateName": f"{metadata.get('name')}.", "namespace": namespace},
+        "involvedObject": {
+            "apiVersion": body.get("apiVersion"),
+            "kind": body.get("kind"),
+            "name": metadata.get("name"),
+            "namespace": namespace,
+            "uid": metadata.get("uid"),
+        },
+        "type": type_,
+        "reason": reason,
+        "message": message[:1024],
+        "source": {"component": COMPONENT},
+        "reportingComponent": COMPONENT,
+        "reportingInstance": COMPONENT,
+        "firstTimestamp": now,
+        "lastTimestamp": now,
+        "count": 1,
+    }
+    try:
+        kube.create(event)
+    except KubeError as exc:
+        log.warning("could not post event %s on %s: %s", reason, metadata.get("name"), exc)
+
+
+def post_transitions(
+    kube: KubeClient, body: dict[str, Any], before: dict[str, Any] | None, after: dict[str, Any]
+) -> None:
+    """Post an Event per changed condition (best effort)."""
     for type_, reason, message in transitions(before, after):
-        event = {
-            "apiVersion": "v1",
-            "kind": "Event",
-            "metadata": {"generateName": f"{metadata.get('name')}.", "namespace": namespace},
-            "involvedObject": {
-                "apiVersion": body.get("apiVersion"),
-                "kind": body.get("kind"),
-                "name": metadata.get("name"),
-                "namespace": namespace,
-                "uid": metadata.get("uid"),
-            },
-            "type": type_,
-            "reason": reason,
-            "message": message[:1024],
-            "source": {"component": COMPONENT},
-            "reportingComponent": COMPONENT,
-            "reportingInstance": COMPONENT,
-            "firstTimestamp": now,
-            "lastTimestamp": now,
-            "count": 1,
-        }
-        try:
-            kube.create(event)
-        except KubeError as exc:
-            log.warning("could not post event %s on %s: %s", reason, metadata.get("name"), exc)
+        post_event(kube, body, type_, reason, message)

@@ -75,7 +75,7 @@ class Reconciler:
         except KubeError as exc:
             log.warning("%s/%s: %s", namespace, name, exc)
             result.error = exc
-        workload = self._read_workload(llmi)
+        workload = self.read_workload(llmi)
         observed = Observed(
             workload=workload,
             desired_replicas=self._desired(llmi, body),
@@ -96,7 +96,7 @@ class Reconciler:
             self.kube.has_api(LWS_API_VERSION, "LeaderWorkerSet")
         )
         observed = Observed(
-            workload=self._read_workload(llmi),
+            workload=self.read_workload(llmi),
             desired_replicas=self._desired(llmi, body),
             lws_missing=lws_missing,
         )
@@ -151,7 +151,7 @@ class Reconciler:
                     log.info("%s: deleted %s %s", llmi.metadata.name, kind, child_name)
                     result.deleted.append((kind, child_name))
 
-    def _read_workload(self, llmi: LLMInference) -> dict[str, Any] | None:
+    def read_workload(self, llmi: LLMInference) -> dict[str, Any] | None:
         namespace, name = llmi.metadata.namespace, llmi.metadata.name
         if topology(llmi.spec).workload == "Deployment":
             return self.kube.get("apps/v1", "Deployment", namespace, name)

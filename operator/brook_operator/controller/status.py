@@ -36,7 +36,7 @@ class Observed:
     """Why the last apply failed, if it did."""
 
 
-def _condition(
+def make_condition(
     previous: dict[str, dict[str, Any]],
     kind: str,
     status: bool,
@@ -58,19 +58,21 @@ def _condition(
     }
 
 
-def _now() -> str:
+def now_rfc3339() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def invalid_status(body: dict[str, Any], message: str, now: str | None = None) -> dict[str, Any]:
     """Status of a resource whose spec the operator cannot run."""
-    now = now or _now()
+    now = now or now_rfc3339()
     status = body.get("status") or {}
     previous = {c["type"]: c for c in status.get("conditions") or [] if "type" in c}
     generation = (body.get("metadata") or {}).get("generation")
     conditions = [
-        _condition(previous, "SpecValid", False, "InvalidSpec", message, generation, now),
-        _condition(previous, "Ready", False, "InvalidSpec", "the spec cannot run", generation, now),
+        make_condition(previous, "SpecValid", False, "InvalidSpec", message, generation, now),
+        make_condition(
+            previous, "Ready", False, "InvalidSpec", "the spec cannot run", generation, now
+        ),
     ]
     keep = [c for t, c in previous.items() if t not in ("SpecValid", "Ready")]
     return {"observedGeneration": generation, "conditions": conditions + keep}
@@ -83,7 +85,7 @@ def compute_status(
     now: str | None = None,
 ) -> dict[str, Any]:
     """The status fields the operator owns (the autoscaler's stay as they are)."""
-    now = now or _now()
+    now = now or now_rfc3339()
     generation = llmi.metadata.generation
     previous = {
         c["type"]: c for c in (previous_status or {}).get("conditions") or [] if "type" in c
@@ -99,7 +101,7 @@ def compute_status(
     ) == wstatus.get("observedGeneration", (workload.get("metadata") or {}).get("generation"))
 
     def condition(kind: str, status: bool, reason: str, message: str) -> dict[str, Any]:
-        return _condition(previous, kind, status, reason, message, generation, now)
+        return make_condition(previous, kind, status, reason, message, generation, now)
 
     conditions = [condition("SpecValid", True, "Valid", "the spec is valid")]
     if observed.lws_missing:

@@ -196,6 +196,23 @@ class KubeClient:
         )
         return result
 
+    def annotate(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str | None,
+        name: str,
+        annotations: dict[str, str | None],
+    ) -> dict[str, Any]:
+        """Set (or, with None, remove) annotations by a merge patch."""
+        result: dict[str, Any] = self.request(
+            "PATCH",
+            resource_path(api_version, kind, namespace, name),
+            body={"metadata": {"annotations": annotations}},
+            content_type="application/merge-patch+json",
+        )
+        return result
+
     def has_api(self, api_version: str, kind: str) -> bool:
         """Whether the API server serves ``kind`` (its CRD is installed)."""
         plural, _ = _KINDS[kind]

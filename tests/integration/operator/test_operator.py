@@ -24,12 +24,9 @@ from brook_operator.rbac import CLUSTER_RULES, NAMESPACED_RULES
 from support import operator_scenarios as scenarios
 from support.kube_api import KubeApi, leaderworkerset_crd
 from support.operator_process import OperatorProcess
+from support.rbac_usage import USED, record_rbac
 
 NAMESPACE = "ai"
-OPERATOR_AGENTS = ("brook-operator", "kopf")
-
-#: (verb, group, resource) of every request the operator made, over the whole module.
-_USED: set[tuple[str, str, str]] = set()
 
 
 @dataclass
@@ -66,11 +63,6 @@ def cluster(kube_api: KubeApi, brook_crd: dict[str, Any]) -> EmulatedCluster:
     return EmulatedCluster(kube_api)
 
 
-def _record_rbac(api: KubeApi) -> None:
-    for agent in OPERATOR_AGENTS:
-        _USED.update((c.verb, c.api_group, c.resource) for c in api.rbac(user_agent=agent))
-
-
 @pytest.fixture
 def operator(cluster: EmulatedCluster, tmp_path: Path) -> Iterator[OperatorProcess]:
     process = OperatorProcess.start(
@@ -79,7 +71,7 @@ def operator(cluster: EmulatedCluster, tmp_path: Path) -> Iterator[OperatorProce
     yield process
     code = process.stop()
     log = process.log()
-    _record_rbac(cluster.api)
+    record_rbac(cluster.api)
     assert code == 0, log
     assert "Traceback" not in log, log
 
@@ -185,7 +177,7 @@ def test_missing_leader_worker_set_is_degraded(
         )
     finally:
         assert process.stop() == 0
-        _record_rbac(kube_api)
+        record_rbac(kube_api)
 
 
 def test_killed_mid_reconcile_resumes_without_duplicates(
@@ -210,7 +202,7 @@ def test_killed_mid_reconcile_resumes_without_duplicates(
     assert scenarios.get(cluster, "configmap", "tiny-cpu-engine") is not None
     assert scenarios.get(cluster, "deployment", "tiny-cpu") is None
     first.kill()
-    _record_rbac(api)
+    record_rbac(api)
     api.clear_reactions()
     second = OperatorProcess.start(api.kubeconfig, tmp_path / "second.log", namespaces=[NAMESPACE])
     try:
@@ -232,7 +224,7 @@ def test_killed_mid_reconcile_resumes_without_duplicates(
             assert len(scenarios.list_names(cluster, kind, selector)) == 1, kind
     finally:
         assert second.stop() == 0
-        _record_rbac(api)
+        record_rbac(api)
 
 
 def test_conflicts_and_server_errors_are_retried(
@@ -251,9 +243,10 @@ def test_conflicts_and_server_errors_are_retried(
 
 
 def test_zz_rbac_rules_are_exactly_what_the_operator_used() -> None:
-    """Runs last: every permission in rbac.py was used by some test above, and every
-    request the operator made is covered by one."""
-    if not _USED:
+    """Runs last (modules run in name order; the autoscaler's come first): every permission
+    in rbac.py was used by some operator test, and every request the operator made is
+    covered by one."""
+    if not USED:
         pytest.skip("run with the rest of the module")
     granted = {
         (verb, rule.api_group, resource)
@@ -261,5 +254,5 @@ def test_zz_rbac_rules_are_exactly_what_the_operator_used() -> None:
         for resource in rule.resources
         for verb in rule.verbs
     }
-    assert _USED - granted == set(), "requests the RBAC rules do not allow"
-    assert granted - _USED == set(), "permissions the operator never used"
+    assert USED - granted == set(), "requests the RBAC rules do not allow"
+    assert granted - USED == set(), "permissions the operator never used"

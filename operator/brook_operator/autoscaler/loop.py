@@ -1,0 +1,215 @@
+"""One autoscaling round for one ``LLMInference``: read its leader pods, scrape the ready
+ones, ``decide``, write status, and — in Active mode — resize the child workload through the
+reconciler (server-side apply of the whole child, so the operator owns its replica count and
+never touches the user's spec).
+
+A replica group is read at its leader pod: it runs the scheduler and serves /metrics for the
+whole group (for single-pod replicas every pod is a leader). Before a Deployment scales in,
+each leader gets a ``controller.kubernetes.io/pod-deletion-cost`` proportional to the KV
+state it holds, so the ReplicaSet removes the one holding the least; the removed pod drains
+(SIGTERM: no new requests, in-flight ones finish). A LeaderWorkerSet always removes its
+highest-index group (it has no deletion-cost rule); that group drains the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from brook_operator.api import API_VERSION, KIND, LLMInference
+from brook_operator.autoscaler.policy import (
+    Decision,
+    Policy,
+    Recommendation,
+    ReplicaSignals,
+    decide,
+)
+from brook_operator.autoscaler.scrape import EngineSample, Scraper, scrape, scrape_all
+from brook_operator.autoscaler.status import autoscaling_status
+from brook_operator.controller.events import post_event, post_transitions
+from brook_operator.controller.reconcile import Reconciler, parse
+from brook_operator.controller.status import now_rfc3339
+from brook_operator.kube import KubeClient
+from brook_operator.render import ROLE_LABEL, selector_labels
+
+log = logging.getLogger(__name__)
+
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+
+Key = tuple[str | None, str]
+
+
+def _timestamp(value: str | None) -> float | None:
+    if not value:
+        return None
+    return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+
+
+def _ready(pod: dict[str, Any]) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def metrics_url(pod: dict[str, Any]) -> str | None:
+    """http://POD_IP:PORT/metrics, PORT being the engine container's port named ``http``."""
+    ip = (pod.get("status") or {}).get("podIP")
+    if not ip:
+        return None
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for port in container.get("ports") or []:
+            if port.get("name") == "http" and port.get("containerPort"):
+                host = f"[{ip}]" if ":" in ip else ip
+                return f"http://{host}:{int(port['containerPort'])}/metrics"
+    return None
+
+
+@dataclass
+class _Memory:
+    """What the autoscaler remembers of one resource between rounds."""
+
+    history: list[Recommendation]
+    samples: dict[str, tuple[EngineSample, float]] = field(default_factory=dict)
+    """Last good sample of each pod, with its time (used until it goes stale)."""
+
+
+@dataclass
+class Autoscaler:
+    reconciler: Reconciler
+    scraper: Scraper = scrape
+    clock: Callable[[], float] = time.time
+    memory: dict[Key, _Memory] = field(default_factory=dict)
+
+    @property
+    def kube(self) -> KubeClient:
+        return self.reconciler.kube
+
+    def forget(self, key: Key) -> None:
+        self.memory.pop(key, None)
+
+    def run_once(self, body: dict[str, Any]) -> Decision | None:
+        """One round; None when the resource is not autoscaled (or cannot run)."""
+        metadata = body.get("metadata") or {}
+        key: Key = (metadata.get("namespace"), str(metadata.get("name")))
+        try:
+            llmi = parse(body)
+        except ValidationError:
+            self.forget(key)
+            return None
+        spec = llmi.spec.autoscaling
+        if spec is None or llmi.spec.suspend:
+            self.forget(key)
+            return None
+        workload = self.reconciler.read_workload(llmi)
+        if workload is None:  # the reconciler has not created it yet
+            return None
+        current = int((workload.get("spec") or {}).get("replicas") or 0)
+        now = self.clock()
+        # After a restart the windows start now: no scale-in until a full window has passed.
+        memory = self.memory.setdefault(key, _Memory([Recommendation(now, current)]))
+        pods = self._leader_pods(llmi)
+        signals = self._signals(pods, memory, now)
+        policy = Policy.from_spec(spec)
+        decision = decide(signals, current, policy, memory.history, now)
+        memory.history.append(decision.recommendation_at(now))
+        memory.history = [h for h in memory.history if now - h.time <= policy.longest_window]
+
+        dry_run = spec.mode == "DryRun"
+        before = dict(body.get("status") or {})
+        status = autoscaling_status(
+            before, decision, current, now_rfc3339(), llmi.metadata.generation, dry_run
+        )
+        apply = not dry_run and decision.desired != current
+        if apply and decision.desired < current and workload.get("kind") == "Deployment":
+            self._mark_deletion_costs(llmi, pods, memory)
+        self.kube.patch_status(API_VERSION, KIND, key[0], key[1], status)
+        after = {**before, **status}
+        if apply:
+            result = self.reconciler.reconcile({**body, "status": after})
+            after = result.status or after
+            verb = "ScaledOut" if decision.desired > current else "ScaledIn"
+            log.info("%s/%s: %s", key[0], key[1], decision.reason)
+            post_event(self.kube, body, "Normal", verb, decision.reason)
+        post_transitions(self.kube, body, before, after)
+        return decision
+
+    # -- steps ---------------------------------------------------------------------------
+
+    def _leader_pods(self, llmi: LLMInference) -> list[dict[str, Any]]:
+        labels = {**selector_labels(llmi), ROLE_LABEL: "leader"}
+        selector = ",".join(f"{k}={v}" for k, v in labels.items())
+        pods = self.kube.list("v1", "Pod", llmi.metadata.namespace, selector)
+        # A terminating pod is draining: neither capacity nor load any more.
+        return [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
+
+    def _signals(
+        self, pods: list[dict[str, Any]], memory: _Memory, now: float
+    ) -> list[ReplicaSignals]:
+        urls: dict[str, str] = {}
+        for pod in pods:
+            url = metrics_url(pod)
+            if _ready(pod) and url:
+                urls[pod["metadata"]["name"]] = url
+        results = scrape_all(list(urls.values()), self.scraper)
+        alive = {p["metadata"]["name"] for p in pods}
+        memory.samples = {k: v for k, v in memory.samples.items() if k in alive}
+        signals = []
+        for pod in pods:
+            name = pod["metadata"]["name"]
+            result = results.get(urls[name]) if name in urls else None
+            if isinstance(result, EngineSample):
+                memory.samples[name] = (result, now)
+            elif result is not None:
+                log.debug("scrape of %s failed: %s", name, result)
+            kept = memory.samples.get(name)
+            created = _timestamp((pod.get("metadata") or {}).get("creationTimestamp"))
+            signals.append(
+                ReplicaSignals(
+                    name=name,
+                    ready=_ready(pod),
+                    age_seconds=now - created if created is not None else 0.0,
+                    kv_cache_usage=kept[0].kv_cache_usage if kept else None,
+                    waiting_requests=kept[0].waiting_requests if kept else None,
+                    overlap_ratio=kept[0].overlap_ratio if kept else None,
+                    sample_age_seconds=now - kept[1] if kept else None,
+                )
+            )
+        return signals
+
+    def _mark_deletion_costs(
+        self, llmi: LLMInference, pods: list[dict[str, Any]], memory: _Memory
+    ) -> None:
+        """Lower cost = removed first: the pod holding the least KV state (and queue)."""
+        for pod in pods:
+            name = pod["metadata"]["name"]
+            kept = memory.samples.get(name)
+            if kept is None:
+                continue  # unready pods are removed before ready ones anyway
+            sample = kept[0]
+            cost = round(sample.kv_cache_usage * 1_000_000) + round(sample.waiting_requests)
+            annotations = (pod.get("metadata") or {}).get("annotations") or {}
+            if annotations.get(DELETION_COST) == str(cost):
+                continue
+            self.kube.annotate(
+                "v1", "Pod", llmi.metadata.namespace, name, {DELETION_COST: str(cost)}
+            )
+
+
+def interval_seconds(body: dict[str, Any]) -> float | None:
+    """The resource's decision interval, or None when it is not autoscaled."""
+    spec = body.get("spec") or {}
+    autoscaling = spec.get("autoscaling")
+    if not isinstance(autoscaling, dict) or spec.get("suspend"):
+        return None
+    try:
+        return float(autoscaling.get("intervalSeconds", 15))
+    except (TypeError, ValueError):
+        return None
+
+
+__all__ = ["Autoscaler", "interval_seconds", "metrics_url"]

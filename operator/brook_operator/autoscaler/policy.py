@@ -1,0 +1,335 @@
+"""The autoscaling policy: ``decide(signals, current, policy, history, now) → Decision``.
+
+Pure: no clock, no I/O. The operator's loop and the simulator call the same function.
+
+The formula, in the order it is applied (``R`` = replicas the workload has now):
+
+1. **Fresh metrics.** A replica's sample counts when the replica is ready and the sample is
+   at most ``metricsStaleAfterSeconds`` old. With no fresh sample at all the size is held
+   (``limited_by = Stale``, MetricsAvailable=False): missing data never scales in. It is only
+   raised, to ``fallbackReplicas``, when that is set and higher. A ready replica without a
+   fresh sample is taken to sit exactly at the targets, so it pushes neither way.
+2. **Capacity.** ``C = max(R, ready)``: replicas that are starting (not ready yet, or not yet
+   created) count as capacity on the way with no load, so the same load does not scale out
+   twice.
+3. **KV cache (saturation).** ``u = Σ kv_i / (C · target)``. Outside the tolerance band
+   (``|u - 1| > tolerance``) the KV recommendation is ``ceil(Σ kv_i / target)``, HPA's
+   ``ceil(C · u)``; inside it, ``R``.
+4. **Overlap (efficiency).** When the mean overlap ratio of the ready replicas is below
+   ``minOverlapRatio`` while ``u < 1`` (KV below target) the replicas are under-fed: too few
+   sequences in flight to hide their communication, so every device does less work than it
+   could. The KV recommendation then packs the load up to the top of the tolerance band,
+   ``ceil(Σ kv_i / (target · (1 + tolerance)))``, instead of to the target itself: fewer,
+   fuller replicas whose pipelines hide more of their transfers. The next decision sees
+   ``u ≤ 1 + tolerance``, inside the band, so consolidation does not bounce back.
+5. **Queue (backlog).** ``w = Σ waiting_i / C``. When ``w`` is above
+   ``targetWaitingRequests · (1 + tolerance)`` in this sample and in the previous one (a queue
+   that persists, not a burst the engine absorbs in a step), the queue recommends
+   ``ceil(Σ waiting_i / targetWaitingRequests)``. With the KV signal on, the queue only adds
+   replicas; in the queue-only (KEDA-style) baseline it is the whole formula, both ways.
+6. **Recommendation** = the largest of the signals' recommendations, at least 1.
+7. **Startup grace.** While a replica is still starting (younger than
+   ``startupGraceSeconds``), no scale-in: new replicas are idle, not surplus.
+8. **Stabilization** (Kubernetes HPA's rule): scaling up takes the lowest recommendation
+   over ``scaleUpStabilizationSeconds``; scaling down takes the highest over
+   ``scaleDownStabilizationSeconds``. A spike in one sample therefore cannot shrink the fleet
+   until it has been gone for the whole window.
+9. **Steps** of at most ``maxScaleUpStep`` up and ``maxScaleDownStep`` down per decision,
+   then **bounds** ``[minReplicas, maxReplicas]``.
+
+``Decision.limited_by`` names what clipped the recommendation: Stale, Startup, Cooldown
+(a stabilization window), StepLimit, AtMax or AtMin.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from brook_operator.api.autoscaling import AutoscalingSpec
+
+#: Signals a policy may use; the simulator's ablations turn some off.
+SIGNALS = frozenset({"kv", "queue", "overlap"})
+
+
+@dataclass(frozen=True)
+class ReplicaSignals:
+    """What one replica (one replica group, read at its leader) reported."""
+
+    name: str
+    ready: bool
+    age_seconds: float
+    """Time since the replica was created."""
+
+    kv_cache_usage: float | None = None
+    """Fraction of KV blocks held by live requests; None when not read."""
+
+    waiting_requests: float | None = None
+    overlap_ratio: float | None = None
+    sample_age_seconds: float | None = None
+    """Time since the sample was read; None when there is none."""
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The numbers ``decide`` works with (seconds and ratios), from an ``AutoscalingSpec``."""
+
+    min_replicas: int = 1
+    max_replicas: int = 10
+    target_kv_cache_usage: float = 0.75
+    target_waiting_requests: float = 8.0
+    min_overlap_ratio: float = 0.7
+    tolerance: float = 0.1
+    scale_up_stabilization_seconds: float = 0.0
+    scale_down_stabilization_seconds: float = 300.0
+    max_scale_up_step: int = 4
+    max_scale_down_step: int = 1
+    startup_grace_seconds: float = 600.0
+    metrics_stale_after_seconds: float = 60.0
+    fallback_replicas: int | None = None
+    signals: frozenset[str] = SIGNALS
+    """Which signals drive decisions (all three in Brook's policy)."""
+
+    def __post_init__(self) -> None:
+        unknown = self.signals - SIGNALS
+        if unknown or not self.signals & {"kv", "queue"}:
+            raise ValueError(
+                f"signals {sorted(self.signals)}: use a non-empty subset of {sorted(SIGNALS)} "
+                "with kv or queue in it"
+            )
+
+    @classmethod
+    def from_spec(cls, spec: AutoscalingSpec, signals: frozenset[str] = SIGNALS) -> Policy:
+        return cls(
+            min_replicas=spec.min_replicas,
+            max_replicas=spec.max_replicas,
+            target_kv_cache_usage=spec.target_kv_cache_usage,
+            target_waiting_requests=spec.target_waiting_requests,
+            min_overlap_ratio=spec.min_overlap_ratio,
+            tolerance=spec.tolerance,
+            scale_up_stabilization_seconds=spec.scale_up_stabilization_seconds,
+            scale_down_stabilization_seconds=spec.scale_down_stabilization_seconds,
+            max_scale_up_step=spec.max_scale_up_step,
+            max_scale_down_step=spec.max_scale_down_step,
+            startup_grace_seconds=spec.startup_grace_seconds,
+            metrics_stale_after_seconds=spec.metrics_stale_after_seconds,
+            fallback_replicas=spec.fallback_replicas,
+            signals=signals,
+        )
+
+    @property
+    def longest_window(self) -> float:
+        return max(self.scale_up_stabilization_seconds, self.scale_down_stabilization_seconds)
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """One past recommendation, kept for the stabilization windows."""
+
+    time: float
+    replicas: int
+    queue_high: bool = False
+    """The queue was above its band (for the persistence rule)."""
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    """The signals as the status shows them (means over the replicas that reported)."""
+
+    kv_cache_usage: float | None
+    overlap_ratio: float | None
+    waiting_requests: float | None
+    """Per replica of capacity."""
+
+    replicas_reporting: int
+    ready: int
+    starting: int
+
+
+@dataclass(frozen=True)
+class Decision:
+    current: int
+    """Replicas when it was made."""
+
+    desired: int
+    recommendation: int
+    """Before startup grace, windows, steps and bounds; what the history keeps."""
+
+    reason: str
+    limited_by: str | None
+    metrics_available: bool
+    aggregate: Aggregate
+    queue_high: bool = False
+    signal_recommendations: dict[str, int] = field(default_factory=dict)
+
+    def recommendation_at(self, now: float) -> Recommendation:
+        return Recommendation(now, self.recommendation, self.queue_high)
+
+
+def _ceil(x: float) -> int:
+    # Guard against 2.0000000001 becoming 3 through float noise.
+    return math.ceil(round(x, 9))
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def decide(
+    signals: Sequence[ReplicaSignals],
+    current: int,
+    policy: Policy,
+    history: Sequence[Recommendation],
+    now: float,
+) -> Decision:
+    """The replica count to run now, why, and what limited it. See the module docstring."""
+    ready = [r for r in signals if r.ready]
+    fresh = [
+        r
+        for r in ready
+        if r.sample_age_seconds is not None
+        and r.sample_age_seconds <= policy.metrics_stale_after_seconds
+        and r.kv_cache_usage is not None
+    ]
+    capacity = max(current, len(ready))
+    starting = sum(
+        1 for r in signals if not r.ready and r.age_seconds < policy.startup_grace_seconds
+    )
+    # Replicas the workload wants that have no pod yet are starting too.
+    starting += max(0, current - len(signals))
+    reported = Aggregate(
+        kv_cache_usage=_mean([r.kv_cache_usage for r in fresh if r.kv_cache_usage is not None]),
+        overlap_ratio=_mean([r.overlap_ratio for r in fresh if r.overlap_ratio is not None]),
+        waiting_requests=(
+            sum(r.waiting_requests or 0.0 for r in fresh) / len(fresh) if fresh else None
+        ),
+        replicas_reporting=len(fresh),
+        ready=len(ready),
+        starting=starting,
+    )
+    low, high = policy.min_replicas, policy.max_replicas
+
+    if not fresh:
+        floor = max(current, policy.fallback_replicas or 0)
+        desired = min(max(floor, low), high)
+        why = (
+            f"no replica ready yet ({starting} starting)"
+            if not ready
+            else f"no fresh metrics from {len(ready)} ready replica(s)"
+        )
+        return Decision(
+            current=current,
+            desired=desired,
+            recommendation=current,
+            reason=f"{why}: holding {desired} (missing metrics never scale in)",
+            limited_by="Stale",
+            metrics_available=False,
+            aggregate=reported,
+        )
+
+    # Replicas that are ready but did not report sit at the targets: they push neither way.
+    missing = len(ready) - len(fresh)
+    kv_target = policy.target_kv_cache_usage
+    total_kv = sum(r.kv_cache_usage or 0.0 for r in fresh) + missing * kv_target
+    w_target = policy.target_waiting_requests
+    total_waiting = sum(r.waiting_requests or 0.0 for r in fresh) + missing * w_target
+    band = policy.tolerance
+
+    recs: dict[str, int] = {}
+    notes: list[str] = []
+    usage = total_kv / (capacity * kv_target)
+    if "kv" in policy.signals:
+        kv_rec = _ceil(total_kv / kv_target)
+        packed = _ceil(total_kv / (kv_target * (1 + band)))
+        overlap = reported.overlap_ratio
+        underfed = (
+            "overlap" in policy.signals
+            and overlap is not None
+            and overlap < policy.min_overlap_ratio
+            and usage < 1.0
+        )
+        if underfed:
+            recs["kv"] = min(packed, current)  # under-feeding never adds replicas
+            notes.append(
+                f"under-fed: overlap {overlap:.2f} < floor {policy.min_overlap_ratio:.2f} at "
+                f"KV {total_kv / capacity:.2f} < target {kv_target:.2f}, consolidate to "
+                f"{recs['kv']}"
+            )
+        elif abs(usage - 1.0) > band:
+            recs["kv"] = kv_rec
+            notes.append(
+                f"KV {total_kv / capacity:.2f} vs target {kv_target:.2f}±{band:.0%} over "
+                f"{capacity}: {kv_rec}"
+            )
+        else:
+            recs["kv"] = current
+            notes.append(f"KV {total_kv / capacity:.2f} within {kv_target:.2f}±{band:.0%}")
+
+    per_replica = total_waiting / capacity
+    queue_high = per_replica > w_target * (1 + band)
+    if "queue" in policy.signals:
+        q_rec = _ceil(total_waiting / w_target) if w_target > 0 else current + (total_waiting > 0)
+        if "kv" not in policy.signals:  # the queue-only baseline: HPA on one metric
+            outside = w_target == 0 or abs(per_replica / w_target - 1.0) > band
+            recs["queue"] = q_rec if outside else current
+            notes.append(f"queue {per_replica:.1f}/replica vs target {w_target:g}: {recs['queue']}")
+        else:
+            persistent = queue_high and bool(history) and history[-1].queue_high
+            if persistent:
+                recs["queue"] = q_rec
+                notes.append(f"queue {per_replica:.1f}/replica > {w_target:g} persists: {q_rec}")
+            elif queue_high:
+                notes.append(f"queue {per_replica:.1f}/replica > {w_target:g} (first sample)")
+    recommendation = max([1, *recs.values()])
+    reason = "; ".join(notes)
+
+    desired, limited_by = recommendation, None
+    if desired < current and starting:
+        desired, limited_by = current, "Startup"
+        reason += f"; {starting} replica(s) starting: no scale-in during startup grace"
+
+    if desired > current and policy.scale_up_stabilization_seconds > 0:
+        window = [
+            h.replicas for h in history if now - h.time < policy.scale_up_stabilization_seconds
+        ]
+        stabilized = max(current, min([desired, *window]))
+        if stabilized < desired:
+            desired, limited_by = stabilized, "Cooldown"
+            reason += f"; scale-up window {policy.scale_up_stabilization_seconds:g}s: {desired}"
+    elif desired < current and policy.scale_down_stabilization_seconds > 0:
+        window = [
+            h.replicas for h in history if now - h.time < policy.scale_down_stabilization_seconds
+        ]
+        stabilized = min(current, max([desired, *window]))
+        if stabilized > desired:
+            desired, limited_by = stabilized, "Cooldown"
+            reason += (
+                f"; scale-down window {policy.scale_down_stabilization_seconds:g}s holds {desired}"
+            )
+
+    if desired > current + policy.max_scale_up_step:
+        desired, limited_by = current + policy.max_scale_up_step, "StepLimit"
+        reason += f"; at most +{policy.max_scale_up_step} per decision"
+    elif desired < current - policy.max_scale_down_step:
+        desired, limited_by = current - policy.max_scale_down_step, "StepLimit"
+        reason += f"; at most -{policy.max_scale_down_step} per decision"
+
+    if (desired >= high and recommendation > high) or desired > high:
+        desired, limited_by = high, "AtMax"
+        reason += f"; maxReplicas {high}"
+    elif (desired <= low and recommendation < low) or desired < low:
+        desired, limited_by = low, "AtMin"
+        reason += f"; minReplicas {low}"
+
+    return Decision(
+        current=current,
+        desired=desired,
+        recommendation=recommendation,
+        reason=f"{current} → {desired}: {reason}" if desired != current else reason,
+        limited_by=limited_by,
+        metrics_available=True,
+        aggregate=reported,
+        queue_high=queue_high,
+        signal_recommendations=recs,
+    )

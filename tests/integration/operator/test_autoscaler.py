@@ -1,0 +1,313 @@
+"""The autoscaler end to end on one machine: the real operator (a child process) against the
+emulated kube-apiserver, and real engine servers (``brook-engine serve``) bound to distinct
+loopback addresses that stand in for pod IPs.
+
+The emulator runs no controllers, so the test plays the ReplicaSet controller and the
+kubelet: when the operator changes the Deployment's replicas it creates the Pod object (with
+the address of an engine server as its podIP, marked Ready) or deletes the pod the
+ReplicaSet would delete — the one with the lowest ``controller.kubernetes.io/pod-deletion-cost``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from brook_operator.autoscaler.loop import DELETION_COST
+from support.engine_server import ServerProcess, free_port, start_server
+from support.kube_api import KubeApi
+from support.operator_process import OperatorProcess
+from support.rbac_usage import record_rbac
+
+NAMESPACE = "ai"
+NAME = "tiny-auto"
+#: Pod IPs: each one a loopback address with its own engine server.
+ADDRESSES = ("127.0.0.2", "127.0.0.3")
+TIMEOUT = 90.0
+
+AUTOSCALING = {
+    "minReplicas": 1,
+    "maxReplicas": 2,
+    "targetKvCacheUsage": 0.8,
+    "tolerance": 0.1,
+    "targetWaitingRequests": 1,
+    "intervalSeconds": 5,
+    "scaleDownStabilizationSeconds": 15,
+    "metricsStaleAfterSeconds": 5,
+    "startupGraceSeconds": 60,
+}
+
+
+def _manifest() -> dict[str, Any]:
+    return {
+        "apiVersion": "brook.dev/v1alpha1",
+        "kind": "LLMInference",
+        "metadata": {"name": NAME, "namespace": NAMESPACE},
+        "spec": {
+            "model": {"uri": "file:///models/tiny-llama", "servedName": "tiny"},
+            "accelerator": {"type": "cpu", "devicesPerNode": 1},
+            "autoscaling": AUTOSCALING,
+        },
+    }
+
+
+class Fleet:
+    """The engine servers and the Pod objects that point at them."""
+
+    def __init__(self, api: KubeApi, model: Path, folder: Path) -> None:
+        self.api, self.model, self.folder = api, model, folder
+        self.port = free_port()
+        self.servers: dict[str, ServerProcess] = {}
+        self.pods: dict[str, str] = {}  # pod name → address
+
+    def start_server(self, address: str) -> ServerProcess:
+        folder = self.folder / f"{address}-{time.monotonic_ns()}"
+        folder.mkdir()
+        server = start_server(
+            self.model,
+            folder,
+            api_key=None,
+            host=address,
+            port=self.port,
+            drain_timeout=2,
+            # 32 blocks of 16 tokens: a few requests fill the KV cache.
+            kvCache={"numBlocks": 32, "blockSize": 16},
+            scheduler={"maxNumSeqs": 8, "maxNumBatchedTokens": 256},
+        )
+        self.servers[address] = server
+        return server
+
+    def stop_servers(self) -> None:
+        for server in self.servers.values():
+            server.stop()
+        self.servers.clear()
+
+    def add_pod(self, address: str) -> str:
+        deployment = self.api.get("deployments", NAME, NAMESPACE)
+        assert deployment is not None
+        template = deployment["spec"]["template"]
+        name = f"{NAME}-{address.rsplit('.', 1)[1]}"
+        containers = [
+            {
+                "name": "engine",
+                "image": template["spec"]["containers"][0]["image"],
+                "ports": [{"name": "http", "containerPort": self.port}],
+            }
+        ]
+        self.api.create(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": name,
+                    "namespace": NAMESPACE,
+                    "labels": template["metadata"]["labels"],
+                },
+                "spec": {"containers": containers},
+            }
+        )
+        self.api.set_status(
+            "pods",
+            name,
+            {
+                "phase": "Running",
+                "podIP": address,
+                "conditions": [{"type": "Ready", "status": "True"}],
+            },
+            NAMESPACE,
+        )
+        self.pods[name] = address
+        self._mark_ready()
+        return name
+
+    def remove_cheapest_pod(self) -> str:
+        """What the ReplicaSet controller does on scale-in: lowest deletion cost first."""
+        pods = self.api.list("pods", NAMESPACE)
+
+        def cost(pod: dict[str, Any]) -> int:
+            return int((pod["metadata"].get("annotations") or {}).get(DELETION_COST, "0"))
+
+        victim = min(pods, key=cost)["metadata"]["name"]
+        self.api.delete("pods", victim, NAMESPACE)
+        address = self.pods.pop(victim)
+        self.servers.pop(address).stop()  # the pod drains and exits
+        self._mark_ready()
+        return victim
+
+    def _mark_ready(self) -> None:
+        deployment = self.api.get("deployments", NAME, NAMESPACE)
+        assert deployment is not None
+        n = len(self.pods)
+        self.api.set_status(
+            "deployments",
+            NAME,
+            {
+                "observedGeneration": deployment["metadata"]["generation"],
+                "replicas": n,
+                "readyReplicas": n,
+                "updatedReplicas": n,
+                "availableReplicas": n,
+            },
+            NAMESPACE,
+        )
+
+
+class Load:
+    """``concurrency`` clients sending completions to one server until stopped."""
+
+    def __init__(self, server: ServerProcess, concurrency: int, prompt: int, tokens: int) -> None:
+        self.stop_event = threading.Event()
+        body = {
+            "model": "tiny",
+            "prompt": [7] * prompt,
+            "max_tokens": tokens,
+            "ignore_eos": True,
+        }
+
+        def client() -> None:
+            while not self.stop_event.is_set():
+                try:
+                    server.post("/v1/completions", body)
+                except OSError:
+                    time.sleep(0.1)  # the server is gone: the test is stopping it
+
+        self.threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
+        for thread in self.threads:
+            thread.start()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        for thread in self.threads:
+            thread.join(timeout=60)
+
+
+def _wait(condition: Callable[[], Any], message: str, timeout: float = TIMEOUT) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.25)
+    raise AssertionError(f"timed out: {message}")
+
+
+@pytest.fixture
+def fleet(
+    kube_api: KubeApi, brook_crd: dict[str, Any], tiny_llama: Path, tmp_path: Path
+) -> Iterator[Fleet]:
+    kube_api.create_namespace(NAMESPACE)
+    fleet = Fleet(kube_api, tiny_llama, tmp_path)
+    yield fleet
+    fleet.stop_servers()
+
+
+@pytest.fixture
+def operator(kube_api: KubeApi, fleet: Fleet, tmp_path: Path) -> Iterator[OperatorProcess]:
+    process = OperatorProcess.start(
+        kube_api.kubeconfig, tmp_path / "operator.log", namespaces=[NAMESPACE]
+    )
+    yield process
+    code = process.stop()
+    log = process.log()
+    record_rbac(kube_api)
+    assert code == 0, log
+    assert "Traceback" not in log, log
+
+
+def _llmi(api: KubeApi) -> dict[str, Any]:
+    obj = api.get("llmi", NAME, NAMESPACE)
+    assert obj is not None
+    return obj
+
+
+def _replicas(api: KubeApi) -> int:
+    deployment = api.get("deployments", NAME, NAMESPACE)
+    return int(deployment["spec"]["replicas"]) if deployment else -1
+
+
+def _condition(obj: dict[str, Any], kind: str) -> dict[str, Any]:
+    for condition in (obj.get("status") or {}).get("conditions") or []:
+        if condition["type"] == kind:
+            return dict(condition)
+    return {}
+
+
+def _events(api: KubeApi, reason: str) -> list[dict[str, Any]]:
+    return [e for e in api.list("events", NAMESPACE) if e.get("reason") == reason]
+
+
+def test_load_scales_out_stale_metrics_hold_idleness_scales_in(
+    kube_api: KubeApi, fleet: Fleet, operator: OperatorProcess
+) -> None:
+    api = kube_api
+    first, second = ADDRESSES
+    server = fleet.start_server(first)
+    api.create(_manifest())
+    _wait(lambda: _replicas(api) == 1, "the Deployment at minReplicas")
+    fleet.add_pod(first)
+    _wait(
+        lambda: _condition(_llmi(api), "MetricsAvailable").get("status") == "True",
+        "metrics read from the first pod",
+    )
+
+    # Load: 6 clients × (100 prompt + 200 output tokens) on 32 × 16 KV slots → KV full and a
+    # queue. The autoscaler scales out (to maxReplicas, 2).
+    load = Load(server, concurrency=6, prompt=100, tokens=200)
+    try:
+        _wait(lambda: _replicas(api) == 2, "a scale-out under load")
+    finally:
+        load.stop()
+    llmi = _llmi(api)
+    decision = llmi["status"]["autoscaling"]["lastDecisions"][-1]
+    assert (decision["fromReplicas"], decision["toReplicas"]) == (1, 2), decision
+    assert "KV" in decision["reason"] or "queue" in decision["reason"], decision
+    assert llmi["status"]["desiredReplicas"] == 2
+    assert "replicas" not in llmi["spec"], "the autoscaler wrote the user's spec"
+    assert _events(api, "ScaledOut"), "no ScaledOut event"
+    assert _condition(llmi, "ScalingActive")["status"] == "True"
+
+    fleet.start_server(second)
+    fleet.add_pod(second)
+    _wait(
+        lambda: (
+            (_llmi(api)["status"]["autoscaling"]["signals"] or {}).get("replicasReporting") == 2
+        ),
+        "both pods reporting",
+    )
+
+    # Kill every metrics endpoint: the size holds (idle replicas would otherwise scale in
+    # after the 15 s window) and MetricsAvailable turns False.
+    fleet.stop_servers()
+    stale = _wait(
+        lambda: (c := _condition(_llmi(api), "MetricsAvailable")).get("status") == "False" and c,
+        "MetricsAvailable=False",
+    )
+    assert stale["reason"] == "MetricsStale", stale
+    held_until = time.monotonic() + AUTOSCALING["scaleDownStabilizationSeconds"] + 10
+    while time.monotonic() < held_until:
+        assert _replicas(api) == 2, "missing metrics scaled the fleet in"
+        time.sleep(0.5)
+    llmi = _llmi(api)
+    assert _condition(llmi, "ScalingLimited")["reason"] == "Stale"
+    assert _condition(llmi, "ScalingActive")["status"] == "False"
+
+    # Endpoints back, the first pod lightly loaded, the second idle: after the window the
+    # fleet scales in, and the idle pod is the one marked cheapest to delete.
+    busy = fleet.start_server(first)
+    fleet.start_server(second)
+    light = Load(busy, concurrency=1, prompt=40, tokens=150)
+    try:
+        _wait(lambda: _replicas(api) == 1, "a scale-in once idle", timeout=120)
+        victim = fleet.remove_cheapest_pod()
+    finally:
+        light.stop()
+    assert fleet.pods == {f"{NAME}-2": first}, f"{victim} went, not the idle pod"
+    assert _events(api, "ScaledIn"), "no ScaledIn event"
+    decisions = _llmi(api)["status"]["autoscaling"]["lastDecisions"]
+    assert (decisions[-1]["fromReplicas"], decisions[-1]["toReplicas"]) == (2, 1), decisions
+    assert 'brook_operator_autoscaler_decisions_total{outcome="scale_in"}' in operator.metrics()

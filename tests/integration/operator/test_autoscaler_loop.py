@@ -1,0 +1,157 @@
+"""One autoscaler round at a time (``Autoscaler.run_once``) against the emulated API server,
+reading a real HTTP /metrics endpoint on a loopback address. The endpoint serves a fixed
+exposition in the engine's format (the engine itself is exercised in test_autoscaler.py):
+here the loop's own rules are under test — DryRun, Active, and a restarted operator."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from brook_operator.autoscaler.loop import Autoscaler
+from brook_operator.controller import Reconciler
+from brook_operator.kube import KubeClient
+from support.engine_server import free_port
+from support.kube_api import KubeApi
+
+NAMESPACE = "ai"
+NAME = "canned"
+ADDRESS = "127.0.0.4"
+
+
+class Exposition:
+    """A /metrics endpoint whose numbers the test sets."""
+
+    def __init__(self) -> None:
+        self.kv, self.waiting = 0.0, 0
+        exposition = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = (
+                    f"brook_engine_kv_cache_usage_ratio {exposition.kv}\n"
+                    f"brook_engine_num_requests_waiting {exposition.waiting}\n"
+                    "brook_engine_comm_compute_overlap_ratio 1.0\n"
+                ).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.port = free_port()
+        self.server = http.server.ThreadingHTTPServer((ADDRESS, self.port), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def exposition() -> Iterator[Exposition]:
+    served = Exposition()
+    yield served
+    served.close()
+
+
+def _llmi(mode: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "brook.dev/v1alpha1",
+        "kind": "LLMInference",
+        "metadata": {"name": NAME, "namespace": NAMESPACE},
+        "spec": {
+            "model": {"uri": "file:///models/tiny"},
+            "accelerator": {"type": "cpu", "devicesPerNode": 1},
+            "autoscaling": {"minReplicas": 1, "maxReplicas": 4, "mode": mode},
+        },
+    }
+
+
+def _add_pod(api: KubeApi, name: str, port: int) -> None:
+    labels = api.get("deployments", NAME, NAMESPACE)["spec"]["template"]["metadata"]["labels"]
+    api.create(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": NAMESPACE, "labels": labels},
+            "spec": {
+                "containers": [
+                    {"name": "engine", "ports": [{"name": "http", "containerPort": port}]}
+                ]
+            },
+        }
+    )
+    status = {"podIP": ADDRESS, "conditions": [{"type": "Ready", "status": "True"}]}
+    api.set_status("pods", name, status, NAMESPACE)
+
+
+def _body(api: KubeApi) -> dict[str, Any]:
+    body = api.get("llmi", NAME, NAMESPACE)
+    assert body is not None
+    return body
+
+
+def _replicas(api: KubeApi) -> int:
+    return int(api.get("deployments", NAME, NAMESPACE)["spec"]["replicas"])
+
+
+def test_dry_run_then_active_then_a_restart_keeps_the_window(
+    kube_api: KubeApi, brook_crd: dict[str, Any], exposition: Exposition
+) -> None:
+    api = kube_api
+    api.create_namespace(NAMESPACE)
+    api.create(_llmi("DryRun"))
+    reconciler = Reconciler(KubeClient.from_environment())
+    reconciler.reconcile(_body(api))
+    assert _replicas(api) == 1
+    _add_pod(api, "canned-a", exposition.port)
+
+    # DryRun: 0.95 KV on one replica → ceil(0.95 / 0.75) = 2, recorded, not applied.
+    exposition.kv = 0.95
+    decision = Autoscaler(reconciler).run_once(_body(api))
+    assert decision is not None and decision.desired == 2
+    status = _body(api)["status"]
+    assert _replicas(api) == 1
+    assert status["desiredReplicas"] == 1
+    assert status["autoscaling"]["lastDecisions"][-1]["reason"].startswith("dry run: 1 → 2")
+    scaling = {c["type"]: c for c in status["conditions"]}["ScalingActive"]
+    assert (scaling["status"], scaling["reason"]) == ("False", "DryRun")
+
+    # Active: applied to the Deployment through the reconciler; the user's spec untouched.
+    body = _body(api)
+    body["spec"]["autoscaling"]["mode"] = "Active"
+    api.apply(body, manager="test")
+    autoscaler = Autoscaler(reconciler)
+    decision = autoscaler.run_once(_body(api))
+    assert decision is not None and decision.desired == 2
+    assert _replicas(api) == 2
+    assert _body(api)["status"]["desiredReplicas"] == 2
+    assert "replicas" not in _body(api)["spec"]
+    assert [e["reason"] for e in api.list("events", NAMESPACE)].count("ScaledOut") == 1
+
+    # Idle now. A restarted operator (a new Autoscaler, no history) must not scale in before
+    # a whole scale-down window has passed since it started.
+    _add_pod(api, "canned-b", exposition.port)
+    exposition.kv = 0.0
+    restarted = Autoscaler(reconciler, clock=lambda: 1_000.0)
+    decision = restarted.run_once(_body(api))
+    assert decision is not None and (decision.desired, decision.limited_by) == (2, "Cooldown")
+    assert _replicas(api) == 2
+    later = Autoscaler(reconciler, clock=lambda: 1_301.0, memory=restarted.memory)
+    decision = later.run_once(_body(api))
+    assert decision is not None and decision.desired == 1, decision
+    assert _replicas(api) == 1
+    # Both pods idle and equal: each got a deletion cost before the scale-in.
+    costs = [
+        (p["metadata"].get("annotations") or {}).get("controller.kubernetes.io/pod-deletion-cost")
+        for p in api.list("pods", NAMESPACE)
+    ]
+    assert costs == ["0", "0"]

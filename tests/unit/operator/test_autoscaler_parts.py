@@ -1,0 +1,137 @@
+"""The autoscaler's parts around the policy: reading an engine's exposition, the pod's
+metrics address, and the status it writes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from brook_engine.metrics.prometheus import EngineMetrics
+from brook_engine.metrics.stats import EngineStats
+from brook_operator.autoscaler.loop import interval_seconds, metrics_url
+from brook_operator.autoscaler.policy import Policy, decide
+from brook_operator.autoscaler.scrape import ScrapeError, parse_metrics
+from brook_operator.autoscaler.status import KEPT_DECISIONS, autoscaling_status
+
+from .test_autoscaler_policy import fleet
+
+
+def _exposition(kv: float, waiting: int, overlap: float) -> str:
+    """The text a real engine serves, from the engine's own metrics code."""
+    registry = CollectorRegistry()
+    metrics = EngineMetrics(registry, {"model": "tiny"})
+    metrics.record(
+        EngineStats(
+            num_running=3,
+            num_waiting=waiting,
+            kv_cache_usage=kv,
+            num_kv_blocks=64,
+            num_prompt_tokens_total=10,
+            num_generation_tokens_total=20,
+            num_preemptions_total=0,
+            comm_compute_overlap=overlap,
+        )
+    )
+    return generate_latest(registry).decode()
+
+
+def test_parse_reads_the_engines_own_exposition() -> None:
+    sample = parse_metrics(_exposition(0.625, 7, 0.83))
+    assert (sample.kv_cache_usage, sample.waiting_requests, sample.overlap_ratio) == (
+        0.625,
+        7.0,
+        0.83,
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "lack brook_engine_kv_cache_usage_ratio"),
+        ("# a node exporter\nnode_load1 0.5\n", "is this a Brook engine"),
+        ("brook_engine_kv_cache_usage_ratio 0.5\n", "brook_engine_num_requests_waiting"),
+        (
+            "brook_engine_kv_cache_usage_ratio 1.5\nbrook_engine_num_requests_waiting 0\n",
+            "out of range",
+        ),
+        ("brook_engine_kv_cache_usage_ratio {{{\n", "unparsable"),
+    ],
+)
+def test_parse_refuses_what_is_not_an_engine(text: str, message: str) -> None:
+    with pytest.raises(ScrapeError, match=message):
+        parse_metrics(text)
+
+
+def test_overlap_is_optional() -> None:
+    text = "brook_engine_kv_cache_usage_ratio 0.5\nbrook_engine_num_requests_waiting 2\n"
+    assert parse_metrics(text).overlap_ratio is None
+
+
+def _pod(ip: str | None, ports: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"status": {"podIP": ip}, "spec": {"containers": [{"name": "e", "ports": ports}]}}
+
+
+def test_metrics_url_uses_the_http_port() -> None:
+    http = [{"name": "rendezvous", "containerPort": 29500}, {"name": "http", "containerPort": 8080}]
+    assert metrics_url(_pod("10.1.2.3", http)) == "http://10.1.2.3:8080/metrics"
+    assert metrics_url(_pod("fd00::5", http)) == "http://[fd00::5]:8080/metrics"
+    assert metrics_url(_pod(None, http)) is None
+    assert metrics_url(_pod("10.1.2.3", [{"name": "grpc", "containerPort": 9000}])) is None
+
+
+def test_interval_only_for_autoscaled_running_resources() -> None:
+    assert interval_seconds({"spec": {"autoscaling": {"intervalSeconds": 7}}}) == 7.0
+    assert interval_seconds({"spec": {"autoscaling": {"maxReplicas": 3}}}) == 15.0
+    assert interval_seconds({"spec": {"replicas": 2}}) is None
+    assert interval_seconds({"spec": {"autoscaling": {}, "suspend": True}}) is None
+
+
+def _conditions(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["type"]: c for c in status["conditions"]}
+
+
+def test_status_records_changes_keeps_ten_and_sets_conditions() -> None:
+    policy = Policy(max_replicas=3)
+    previous: dict[str, Any] = {
+        "conditions": [{"type": "Ready", "status": "True", "reason": "ReplicasReady"}]
+    }
+    for i in range(12):  # alternate so that every decision is a new one
+        current = 2 + i % 2
+        decision = decide(fleet(current, kv=0.95), current, policy, [], 0.0)
+        status = autoscaling_status(previous, decision, current, f"t{i}", 1, dry_run=False)
+        previous = {**previous, **status}
+    decisions = previous["autoscaling"]["lastDecisions"]
+    assert len(decisions) == KEPT_DECISIONS
+    assert decisions[-1]["time"] == "t11"
+    conditions = _conditions(previous)
+    assert conditions["Ready"]["status"] == "True", "a condition the autoscaler does not own"
+    assert conditions["MetricsAvailable"]["status"] == "True"
+    assert conditions["ScalingActive"]["status"] == "True"
+    # At 3 (= max) under load: limited AtMax; desiredReplicas follows the decision.
+    assert conditions["ScalingLimited"]["reason"] == "AtMax"
+    assert previous["desiredReplicas"] == 3
+
+    # The same hold again is not a new entry.
+    decision = decide(fleet(3, kv=0.95), 3, policy, [], 0.0)
+    again = autoscaling_status(previous, decision, 3, "t12", 1, dry_run=False)
+    assert again["autoscaling"]["lastDecisions"] == decisions
+
+
+def test_dry_run_records_without_desired_replicas() -> None:
+    decision = decide(fleet(2, kv=0.95), 2, Policy(), [], 0.0)
+    status = autoscaling_status({}, decision, 2, "t0", 1, dry_run=True)
+    assert "desiredReplicas" not in status
+    assert status["autoscaling"]["lastDecisions"][0]["reason"].startswith("dry run: ")
+    assert _conditions(status)["ScalingActive"]["reason"] == "DryRun"
+
+
+def test_stale_status() -> None:
+    decision = decide(fleet(2, kv=0.1, sample_age=300.0), 2, Policy(), [], 0.0)
+    status = autoscaling_status({}, decision, 2, "t0", 1, dry_run=False)
+    conditions = _conditions(status)
+    assert conditions["MetricsAvailable"]["status"] == "False"
+    assert conditions["ScalingLimited"]["reason"] == "Stale"
+    assert status["desiredReplicas"] == 2
+    assert status["autoscaling"]["signals"]["replicasReporting"] == 0
