@@ -117,6 +117,58 @@ def _cmd_operator(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_autoscale_simulate(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from brook_operator.autoscaler import simulate as sim
+    from brook_operator.autoscaler.simulate.report import plot, table, write_decisions
+
+    try:
+        trace_path = sim.resolve_trace(args.trace)
+        requests = sim.scale_rate(sim.read_trace(trace_path), args.rate_scale)
+        profile = sim.load_profile(args.profile)
+        spec = sim.load_spec(Path(args.policy), profile) if args.policy else None
+        names = [n.strip() for n in args.policies.split(",") if n.strip()]
+        comparison = sim.compare(
+            requests, profile, spec or sim.default_spec(profile), names, args.slo_ttft
+        )
+        if args.plot:
+            title = f"{args.trace} on {profile.name}" + (
+                f" (rate ×{args.rate_scale:g})" if args.rate_scale != 1 else ""
+            )
+            plot(comparison.results, comparison.slo_seconds, title, Path(args.plot))
+        if args.decisions:
+            write_decisions(comparison.results, Path(args.decisions))
+    except sim.SimulationError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        out = {
+            "trace": args.trace,
+            "profile": profile.name,
+            "slo_ttft_s": comparison.slo_seconds,
+            "rate_scale": args.rate_scale,
+            "policies": comparison.rows,
+        }
+        print(json.dumps(out, indent=2))
+        return 0
+    peak = comparison.static_peak
+    print(
+        f"trace {args.trace}: {len(requests)} requests"
+        + (f" (rate ×{args.rate_scale:g})" if args.rate_scale != 1 else "")
+        + f"; profile {profile.name}; TTFT SLO {comparison.slo_seconds:g} s"
+    )
+    print(
+        f"static-peak: {peak.replicas} replica(s)"
+        + ("" if peak.meets_slo else " (maxReplicas, and still short of the SLO)")
+        + f"; autoscaled fleets start at {comparison.initial_replicas}"
+    )
+    print()
+    print(table(comparison.rows))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="brook", description="Brook: LLM inference on Kubernetes NPU clusters."
@@ -169,6 +221,55 @@ def build_parser() -> argparse.ArgumentParser:
     )
     operator.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     operator.set_defaults(func=_cmd_operator)
+
+    autoscale = sub.add_parser("autoscale", help="the autoscaler's offline tools")
+    autoscale_sub = autoscale.add_subparsers(dest="autoscale_command", required=True)
+    simulate = autoscale_sub.add_parser(
+        "simulate",
+        help="replay a request trace against Brook's autoscaling policy and baselines",
+        description=(
+            "Replay a request trace on simulated replicas (a fluid model calibrated by a "
+            "profile) resized by Brook's policy, its ablations and baselines; report TTFT SLO "
+            "attainment and replica-hours. See docs/autoscaler-simulator.md."
+        ),
+    )
+    simulate.add_argument(
+        "--trace",
+        required=True,
+        help="trace file (.csv or .csv.gz: arrival_s,input_tokens,output_tokens) or a shipped "
+        "trace: diurnal, spike, flat, long-prompt-burst",
+    )
+    simulate.add_argument(
+        "--profile",
+        default="smollm2-135m-cpu",
+        help="profile file (.json) or a shipped profile: smollm2-135m-cpu (default), "
+        "npu-72b-tp4pp2",
+    )
+    simulate.add_argument(
+        "--policy",
+        help="YAML or JSON file of spec.autoscaling fields (camelCase) for brook and kv-only "
+        "(default: every default, maxReplicas from the profile)",
+    )
+    simulate.add_argument(
+        "--policies",
+        default="brook,kv-only,queue-only,static-peak,static-mean",
+        help="comma list of policies to run (default: all five)",
+    )
+    simulate.add_argument(
+        "--slo-ttft", type=float, help="TTFT SLO in seconds (default: the profile's)"
+    )
+    simulate.add_argument(
+        "--rate-scale",
+        type=float,
+        default=1.0,
+        help="replay the trace at this multiple of its arrival rate (same shape over time)",
+    )
+    simulate.add_argument("--json", action="store_true", help="print one JSON object")
+    simulate.add_argument("--plot", help="write replicas and TTFT p99 over time to this PNG")
+    simulate.add_argument(
+        "--decisions", help="write every autoscaling decision, with its reason, to this CSV"
+    )
+    simulate.set_defaults(func=_cmd_autoscale_simulate)
     return parser
 
 

@@ -1,0 +1,98 @@
+"""A trace replayed against several policies: static-peak first (the others are measured
+against its replica-hours and start from its size scaled to the opening load), then each
+requested policy, scored by ``report.summary``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from brook_operator.api.autoscaling import AutoscalingSpec
+from brook_operator.autoscaler.simulate import baselines
+from brook_operator.autoscaler.simulate.errors import SimulationError
+from brook_operator.autoscaler.simulate.profile import Profile
+from brook_operator.autoscaler.simulate.report import summary
+from brook_operator.autoscaler.simulate.run import RunResult, simulate
+from brook_operator.autoscaler.simulate.trace import Request
+
+
+@dataclass
+class Comparison:
+    slo_seconds: float
+    static_peak: baselines.StaticPeak
+    initial_replicas: int
+    """Where the autoscaled fleets start."""
+
+    results: dict[str, RunResult] = field(default_factory=dict)
+    rows: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def default_spec(profile: Profile) -> AutoscalingSpec:
+    """``spec.autoscaling`` with every default and the profile's replica limit."""
+    return AutoscalingSpec(max_replicas=profile.max_replicas)
+
+
+def load_spec(path: Path, profile: Profile) -> AutoscalingSpec:
+    """``spec.autoscaling`` fields from a YAML or JSON file (camelCase, as in a manifest);
+    ``maxReplicas`` defaults to the profile's."""
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise SimulationError(f"{path}: unreadable policy: {exc}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise SimulationError(f"{path}: a policy is a mapping of spec.autoscaling fields")
+    data.setdefault("maxReplicas", profile.max_replicas)
+    try:
+        return AutoscalingSpec.model_validate(data)
+    except ValidationError as exc:
+        problems = [
+            f"{'.'.join(str(p) for p in e['loc']) or 'autoscaling'}: {e['msg']}"
+            for e in exc.errors()
+        ]
+        raise SimulationError(f"{path}: " + "; ".join(problems)) from None
+
+
+def compare(
+    requests: Sequence[Request],
+    profile: Profile,
+    spec: AutoscalingSpec,
+    names: Sequence[str] = baselines.POLICIES,
+    slo_seconds: float | None = None,
+) -> Comparison:
+    unknown = [n for n in names if n not in baselines.POLICIES]
+    if unknown:
+        raise SimulationError(
+            f"unknown policies {', '.join(unknown)}; choose from {', '.join(baselines.POLICIES)}"
+        )
+    slo = profile.ttft_slo_seconds if slo_seconds is None else slo_seconds
+    peak = baselines.static_peak(requests, profile, slo, spec.max_replicas)
+    demand = baselines.demand_windows(requests)
+    top = max(demand)
+    initial = min(
+        spec.max_replicas,
+        max(spec.min_replicas, baselines.scaled_to_demand(peak.replicas, demand[0], top)),
+    )
+    out = Comparison(slo, peak, initial)
+    peak_hours = peak.result.replica_seconds / 3600
+    window = spec.scale_down_stabilization_seconds
+    for name in names:
+        if name == "static-peak":
+            result = peak.result
+            extra: dict[str, Any] = {"replicas": peak.replicas, "meets_slo": peak.meets_slo}
+        elif name == "static-mean":
+            mean = baselines.scaled_to_demand(peak.replicas, sum(demand) / len(demand), top)
+            result = simulate(requests, profile, mean, None, slo)
+            extra = {"replicas": mean}
+        else:
+            result = simulate(requests, profile, initial, baselines.autoscaled(name, spec), slo)
+            extra = {"initial_replicas": initial}
+        out.results[name] = result
+        out.rows[name] = {**summary(result, slo, peak_hours, window), **extra}
+    return out

@@ -1,0 +1,241 @@
+"""One simulated run: a trace replayed against a fleet of replicas that a policy resizes (or
+a fixed fleet), in ticks of ``TICK_SECONDS``.
+
+At each tick boundary: decide (every ``interval_seconds``), route the requests that arrived
+since the last boundary (conservative: none is routed before the boundary at or after its
+arrival), then advance every replica to the next boundary. The run goes on past the last
+arrival until every request has finished.
+
+Routing: a new request goes to the serving replica (ready, not draining) with the fewest
+requests waiting or in prefill, ties to the one holding the least KV; with no serving replica
+it waits at the gateway. Scale-up adds replicas that serve after ``cold_start_seconds``.
+Scale-in removes replicas that are still starting first (as a ReplicaSet does), then drains
+the ready replicas holding the least KV: a draining replica takes no new requests, finishes
+what it has and then disappears.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from brook_operator.autoscaler.policy import Policy, Recommendation, ReplicaSignals, decide
+from brook_operator.autoscaler.simulate.errors import SimulationError
+from brook_operator.autoscaler.simulate.profile import Profile
+from brook_operator.autoscaler.simulate.replica import Job, Outcome, Replica
+from brook_operator.autoscaler.simulate.trace import Request
+
+TICK_SECONDS = 0.25
+#: A run still busy this long after the last arrival is a bug or a hopeless fleet.
+MAX_TAIL_SECONDS = 6 * 3600.0
+
+
+@dataclass(frozen=True)
+class Autoscaled:
+    """A fleet ``policy`` resizes every ``interval_seconds``."""
+
+    policy: Policy
+    interval_seconds: float
+
+
+@dataclass
+class RunResult:
+    arrivals: list[float]
+    ttft: list[float]
+    """Seconds from arrival to the first token, per request (NaN: aborted before)."""
+
+    finished: list[float]
+    duration_s: float
+    replica_seconds: float
+    preemptions: int
+    completed: int
+    aborted: bool = False
+    """Stopped early once the SLO was out of reach (``max_misses``)."""
+
+    scale_events: list[tuple[float, int, int]] = field(default_factory=list)
+    """(time, replicas before, replicas after) of each decision that changed the size."""
+
+    timeline: list[tuple[float, int]] = field(default_factory=list)
+    """(time, replicas that exist) at the start and at each change."""
+
+    decisions: list[tuple[float, int, int, str | None, str]] = field(default_factory=list)
+    """(time, current, desired, limited_by, reason) of every decision."""
+
+
+class _Fleet:
+    def __init__(self, profile: Profile, outcome: Outcome) -> None:
+        self.profile = profile
+        self.outcome = outcome
+        self.replicas: list[Replica] = []
+        self.gone: list[Replica] = []
+        self._count = 0
+
+    def add(self, now: float, ready_at: float | None = None) -> None:
+        created = now if ready_at is None else ready_at - self.profile.cold_start_seconds
+        ready = now + self.profile.cold_start_seconds if ready_at is None else ready_at
+        self.replicas.append(Replica(f"r{self._count}", self.profile, created, ready, self.outcome))
+        self._count += 1
+
+    def active(self) -> list[Replica]:
+        return [r for r in self.replicas if not r.draining]
+
+    def drain(self, count: int, now: float) -> None:
+        """Starting replicas first (youngest first), then the ready ones holding least KV."""
+        active = self.active()
+        starting = sorted((r for r in active if not r.is_ready(now)), key=lambda r: -r.created)
+        ready = sorted((r for r in active if r.is_ready(now)), key=lambda r: r.kv_held)
+        for replica in (starting + ready)[:count]:
+            replica.draining = True
+
+    def remove_drained(self, now: float) -> bool:
+        done = [r for r in self.replicas if r.draining and r.is_empty()]
+        for replica in done:
+            replica.removed = now
+            self.replicas.remove(replica)
+            self.gone.append(replica)
+        return bool(done)
+
+    def replica_seconds(self, end: float) -> float:
+        return sum(
+            (end if r.removed is None else r.removed) - max(r.created, 0.0)
+            for r in self.replicas + self.gone
+        )
+
+
+def signals_of(replicas: Sequence[Replica], now: float) -> list[ReplicaSignals]:
+    """What each non-draining replica's /metrics would say now."""
+    out = []
+    for r in replicas:
+        ready = r.is_ready(now)
+        out.append(
+            ReplicaSignals(
+                name=r.name,
+                ready=ready,
+                age_seconds=now - r.created,
+                kv_cache_usage=min(1.0, r.kv_held / r.profile.kv_cache_tokens) if ready else None,
+                waiting_requests=float(len(r.waiting)) if ready else None,
+                overlap_ratio=r.profile.overlap_ratio(r.num_decoding) if ready else None,
+                sample_age_seconds=0.0 if ready else None,
+            )
+        )
+    return out
+
+
+def check_fits(requests: Sequence[Request], profile: Profile) -> None:
+    for line, r in enumerate(requests, start=2):
+        if r.input_tokens + r.output_tokens > profile.kv_cache_tokens:
+            raise SimulationError(
+                f"trace line {line}: {r.input_tokens} + {r.output_tokens} tokens exceed the KV "
+                f"cache of profile {profile.name} ({profile.kv_cache_tokens} tokens); such a "
+                "request could never run"
+            )
+
+
+def simulate(
+    requests: Sequence[Request],
+    profile: Profile,
+    replicas: int,
+    autoscaled: Autoscaled | None = None,
+    slo_seconds: float | None = None,
+    max_misses: int | None = None,
+) -> RunResult:
+    """Replay ``requests`` on ``replicas`` warm replicas, resized by ``autoscaled`` if given.
+
+    The autoscaler starts as if it had been running at ``replicas``: its history holds that
+    recommendation at time 0. With ``max_misses``, the run stops once more requests than
+    that have missed the SLO (bisection only needs to know that it failed).
+    """
+    if not requests:
+        raise SimulationError("the trace has no requests")
+    check_fits(requests, profile)
+    slo = profile.ttft_slo_seconds if slo_seconds is None else slo_seconds
+    outcome = Outcome(len(requests), slo)
+    jobs = [Job(i, r.arrival_s, r.input_tokens, r.output_tokens) for i, r in enumerate(requests)]
+    fleet = _Fleet(profile, outcome)
+    for _ in range(replicas):
+        fleet.add(0.0, ready_at=0.0)
+    history: list[Recommendation] = [Recommendation(0.0, replicas)] if autoscaled else []
+    result = RunResult(
+        arrivals=[r.arrival_s for r in requests],
+        ttft=outcome.ttft,
+        finished=outcome.finished,
+        duration_s=0.0,
+        replica_seconds=0.0,
+        preemptions=0,
+        completed=0,
+        timeline=[(0.0, replicas)],
+    )
+    gateway: deque[Job] = deque()
+    last_arrival = requests[-1].arrival_s
+    next_job, tick = 0, 0
+    next_decision = autoscaled.interval_seconds if autoscaled else float("inf")
+    while True:
+        now = tick * TICK_SECONDS
+        if autoscaled and now >= next_decision - 1e-9:
+            next_decision += autoscaled.interval_seconds
+            _scale(fleet, autoscaled.policy, history, now, result)
+        while next_job < len(jobs) and jobs[next_job].arrival <= now:
+            gateway.append(jobs[next_job])
+            next_job += 1
+        if gateway:
+            _route(fleet, gateway, now)
+        for replica in fleet.replicas:
+            replica.advance(now, TICK_SECONDS)
+        tick += 1
+        now = tick * TICK_SECONDS
+        if fleet.remove_drained(now):
+            result.timeline.append((now, len(fleet.replicas)))
+        if max_misses is not None and outcome.misses > max_misses:
+            result.aborted = True
+            break
+        if next_job == len(jobs) and not gateway and outcome.completed == len(jobs):
+            break
+        if now > last_arrival + MAX_TAIL_SECONDS:
+            raise SimulationError(
+                f"requests still unfinished {MAX_TAIL_SECONDS:.0f} s after the last arrival "
+                f"({outcome.completed} of {len(jobs)} done)"
+            )
+    result.duration_s = now
+    result.replica_seconds = fleet.replica_seconds(now)
+    result.preemptions = outcome.preemptions
+    result.completed = outcome.completed
+    return result
+
+
+def _route(fleet: _Fleet, gateway: deque[Job], now: float) -> None:
+    serving = [r for r in fleet.replicas if not r.draining and r.is_ready(now)]
+    if not serving:
+        return
+    while gateway:
+        job = gateway.popleft()
+        best = min(serving, key=lambda r: (len(r.waiting) + len(r.prefilling), r.kv_held))
+        best.add(job)
+
+
+def _scale(
+    fleet: _Fleet,
+    policy: Policy,
+    history: list[Recommendation],
+    now: float,
+    result: RunResult,
+) -> None:
+    active = fleet.active()
+    decision = decide(signals_of(active, now), len(active), policy, history, now)
+    result.decisions.append(
+        (now, decision.current, decision.desired, decision.limited_by, decision.reason)
+    )
+    history.append(decision.recommendation_at(now))
+    while history and now - history[0].time > policy.longest_window:
+        history.pop(0)
+    change = decision.desired - len(active)
+    if not change:
+        return
+    if change > 0:
+        for _ in range(change):
+            fleet.add(now)
+    else:
+        fleet.drain(-change, now)
+    result.scale_events.append((now, len(active), decision.desired))
+    fleet.remove_drained(now)
+    result.timeline.append((now, len(fleet.replicas)))

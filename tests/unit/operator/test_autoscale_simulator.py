@@ -1,0 +1,389 @@
+"""The autoscaler simulator: traces, profiles, the replica model, fleets under a policy, the
+scores, the shipped traces and the ``brook autoscale simulate`` command (tiny traces only)."""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+import json
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from brook_operator.api.autoscaling import AutoscalingSpec
+from brook_operator.autoscaler.policy import Policy
+from brook_operator.autoscaler.simulate import (
+    Autoscaled,
+    Profile,
+    Request,
+    SimulationError,
+    compare,
+    load_profile,
+    make_traces,
+    read_trace,
+    scale_rate,
+    shipped_profiles,
+    shipped_traces,
+    simulate,
+    static_peak,
+    write_trace,
+)
+from brook_operator.autoscaler.simulate.baselines import attainment, autoscaled
+from brook_operator.autoscaler.simulate.profile import StepSeconds
+from brook_operator.autoscaler.simulate.replica import Outcome
+from brook_operator.autoscaler.simulate.report import reversals, summary
+from brook_operator.autoscaler.simulate.run import _Fleet
+from brook_operator.autoscaler.simulate.trace import TRACES_DIR, parse_trace, trace_text
+from brook_operator.cli import main
+
+
+def _profile(**changes: Any) -> Profile:
+    """A small, fast replica: ~6 requests/s of 200 in / 20 out at full batch."""
+    fields: dict[str, Any] = {
+        "name": "tiny",
+        "description": "test",
+        "source": ["test"],
+        "step_seconds": StepSeconds(base=0.02, per_sequence=0.004, per_prefill_token=0.0001),
+        "max_num_seqs": 8,
+        "max_batched_tokens": 256,
+        "kv_cache_tokens": 4096,
+        "cold_start_seconds": 10,
+        "ttft_slo_seconds": 1.0,
+        "max_replicas": 8,
+    }
+    fields.update(changes)
+    return Profile(**fields)
+
+
+def _poisson(
+    rate: float, start: float, end: float, seed: int = 1, size: int = 200
+) -> list[Request]:
+    rng, t, out = random.Random(seed), start, list[Request]()
+    while True:
+        t += rng.expovariate(rate)
+        if t >= end:
+            return out
+        out.append(Request(round(t, 3), size, 20))
+
+
+def _trace(*parts: tuple[float, float, float]) -> list[Request]:
+    """Poisson phases (rate, start, end), merged in arrival order."""
+    requests = [r for i, p in enumerate(parts) for r in _poisson(*p, seed=i + 1)]
+    return sorted(requests, key=lambda r: r.arrival_s)
+
+
+# -- traces --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("rows", "expected"),
+    [
+        (
+            ["arrival_s,input_tokens,output_tokens", "0.5,10,5", "1.0,ten,5"],
+            "line 3, column input_tokens",
+        ),
+        (["arrival_s,input_tokens,output_tokens", "0.5,10"], "line 2: 2 column(s)"),
+        (["arrival_s,input_tokens,output_tokens", "0.5,10,0"], "line 2, column output_tokens"),
+        (["arrival_s,input_tokens,output_tokens", "2,10,5", "1,10,5"], "line 3, column arrival_s"),
+        (["arrival_s,input_tokens,output_tokens", "x,10,5"], "line 2, column arrival_s"),
+        (["arrival,input,output", "0,10,5"], "line 1: header"),
+        (["arrival_s,input_tokens,output_tokens"], "no requests"),
+    ],
+)
+def test_bad_trace_rows_name_line_and_column(rows: list[str], expected: str) -> None:
+    with pytest.raises(
+        SimulationError, match="trace.*" + expected.replace("(", r"\(").replace(")", r"\)")
+    ):
+        parse_trace(rows, "trace.csv")
+
+
+def test_trace_round_trips_through_csv_and_gzip(tmp_path: Path) -> None:
+    requests = [Request(0.0, 10, 5), Request(1.25, 300, 40)]
+    for name in ("t.csv", "t.csv.gz"):
+        write_trace(requests, tmp_path / name)
+        assert read_trace(tmp_path / name) == requests
+    with pytest.raises(SimulationError, match=r"a \.csv or \.csv\.gz file"):
+        read_trace(tmp_path / "t.json")
+
+
+def test_rate_scale_keeps_the_shape() -> None:
+    requests = _trace((2.0, 0, 100), (8.0, 100, 200))
+    doubled = scale_rate(requests, 2.0)
+    assert len(doubled) == 2 * len(requests)
+    assert all(a.arrival_s <= b.arrival_s for a, b in itertools.pairwise(doubled))
+    late = sum(1 for r in doubled if r.arrival_s >= 100)
+    assert late / len(doubled) == pytest.approx(0.8, abs=0.05)
+    assert 0.4 < len(scale_rate(requests, 0.5)) / len(requests) < 0.6
+
+
+# -- profiles ------------------------------------------------------------------------------
+
+
+def test_shipped_profiles_load_and_interpolate_overlap() -> None:
+    assert set(shipped_profiles()) >= {"smollm2-135m-cpu", "npu-72b-tp4pp2"}
+    cpu = load_profile("smollm2-135m-cpu")
+    assert cpu.overlap_ratio(7) == 1.0  # no communication
+    npu = load_profile("npu-72b-tp4pp2")
+    assert npu.overlap_ratio(0) == pytest.approx(0.4)  # clamped
+    assert npu.overlap_ratio(24) == pytest.approx((0.62 + 0.85) / 2)
+    assert npu.overlap_ratio(1000) == 1.0
+    assert any("brook-engine bench" in line for line in cpu.source)
+
+
+def test_bad_profile_names_the_field(tmp_path: Path) -> None:
+    data = json.loads((TRACES_DIR.parent / "profiles" / "smollm2-135m-cpu.json").read_text())
+    data["step_seconds"]["base"] = -1
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(SimulationError, match=r"step_seconds\.base"):
+        load_profile(str(path))
+    with pytest.raises(SimulationError, match="no shipped profile"):
+        load_profile("no-such-profile")
+
+
+# -- one replica ---------------------------------------------------------------------------
+
+
+def test_a_lone_request_takes_one_prefill_step_and_output_decode_steps() -> None:
+    profile = _profile()
+    result = simulate([Request(0.0, 200, 20)], profile, 1)
+    assert result.ttft[0] == pytest.approx(0.02 + 200 * 0.0001)
+    assert result.finished[0] == pytest.approx(result.ttft[0] + 19 * (0.02 + 0.004))
+
+
+def test_kv_pressure_preempts_and_every_request_still_completes() -> None:
+    profile = _profile(kv_cache_tokens=1200, max_num_seqs=8)
+    requests = [Request(i * 0.01, 200, 300) for i in range(12)]
+    result = simulate(requests, profile, 1)
+    assert result.preemptions > 0
+    assert result.completed == len(requests)
+    assert all(not math.isnan(t) for t in result.finished)
+
+
+def test_a_request_larger_than_the_cache_is_refused() -> None:
+    with pytest.raises(SimulationError, match="line 2: 4000 \\+ 200 tokens exceed"):
+        simulate([Request(0, 4000, 200)], _profile(), 1)
+
+
+# -- fleets --------------------------------------------------------------------------------
+
+
+def test_a_big_enough_static_fleet_meets_the_slo_and_a_small_one_does_not() -> None:
+    profile = _profile()
+    requests = _trace((15.0, 0, 120))
+    small, big = simulate(requests, profile, 1), simulate(requests, profile, 4)
+    assert attainment(big, 1.0) >= 0.99
+    assert attainment(small, 1.0) < 0.5
+    assert small.completed == big.completed == len(requests)
+    peak = static_peak(requests, profile, 1.0, 8)
+    assert peak.meets_slo
+    assert 1 < peak.replicas <= 4
+    assert peak.tried[peak.replicas] and not peak.tried.get(peak.replicas - 1, False)
+
+
+def test_replica_hours_of_a_static_fleet_are_replicas_times_hours() -> None:
+    requests = _trace((2.0, 0, 1800))
+    result = simulate(requests, _profile(), 3)
+    hours = result.duration_s / 3600
+    assert result.duration_s == pytest.approx(1800, abs=5)
+    assert result.replica_seconds / 3600 == pytest.approx(3 * hours)
+    row = summary(result, 1.0, result.replica_seconds / 3600, 300)
+    assert row["mean_replicas"] == pytest.approx(3.0)
+    assert row["replica_hours_vs_static_peak"] == 1.0
+    assert row["completed"] == row["requests"] == len(requests)
+
+
+def _spec(**fields: Any) -> AutoscalingSpec:
+    base = {
+        "maxReplicas": 8,
+        "intervalSeconds": 5,
+        "scaleDownStabilizationSeconds": 60,
+        "startupGraceSeconds": 30,
+        "targetWaitingRequests": 2,
+    }
+    return AutoscalingSpec.model_validate({**base, **fields})
+
+
+def test_a_load_step_scales_out_and_the_fleet_scales_in_after_the_window() -> None:
+    profile = _profile(kv_cache_tokens=1536)  # KV fills before the batch does
+    requests = _trace((3.0, 0, 120), (20.0, 120, 300), (3.0, 300, 600))
+    result = simulate(requests, profile, 1, autoscaled("brook", _spec()))
+    ups = [e for e in result.scale_events if e[2] > e[1]]
+    downs = [e for e in result.scale_events if e[2] < e[1]]
+    assert any(120 <= t < 150 and after >= 3 for t, _, after in ups)  # the step, seen fast
+    assert downs
+    # Every scale-in comes a whole window (60 s) after the scale-out before it.
+    assert all(d[0] - max(u[0] for u in ups if u[0] < d[0]) >= 60 for d in downs if d[0] > 120)
+    during = [n for t, n in result.timeline if 150 <= t < 300]
+    after = [n for t, n in result.timeline if t >= 420]
+    assert max(during) >= 4 and after and max(after) <= 2
+    assert result.completed == len(requests)
+
+
+def test_scale_in_drains_the_replica_holding_the_least_kv() -> None:
+    profile = _profile()
+    fleet = _Fleet(profile, Outcome(0, 1.0))
+    for _ in range(3):
+        fleet.add(0.0, ready_at=0.0)
+    a, b, c = fleet.replicas
+    a.prompt_held, b.prompt_held, c.prompt_held = 900.0, 100.0, 500.0
+    fleet.drain(1, now=1.0)
+    assert [r.draining for r in fleet.replicas] == [False, True, False]
+    assert fleet.remove_drained(2.0)  # it was empty of requests: gone
+    assert fleet.replicas == [a, c]
+    fleet.add(5.0)  # still starting at 6.0: removed before any ready one
+    fleet.drain(1, now=6.0)
+    assert [r.draining for r in fleet.replicas] == [False, False, True]
+
+
+def test_a_draining_replica_finishes_its_requests_before_it_goes() -> None:
+    profile = _profile()
+    requests = _trace((20.0, 0, 60), (0.5, 60, 400))
+    spec = _spec(minReplicas=1, scaleDownStabilizationSeconds=0, startupGraceSeconds=0)
+    result = simulate(requests, profile, 4, autoscaled("brook", spec))
+    assert any(e[2] < e[1] for e in result.scale_events)
+    assert result.completed == len(requests)
+
+
+def test_reversals_count_a_change_of_mind_within_the_window() -> None:
+    events = [(0.0, 2, 4), (100.0, 4, 3), (500.0, 3, 5), (900.0, 5, 6), (950.0, 6, 2)]
+    # up→down after 100 s: yes; down→up after 400 s: no; up→up: no; up→down after 50 s: yes.
+    assert reversals(events, 300) == 2
+    assert reversals(events, 30) == 0
+    assert reversals([], 300) == 0
+
+
+def test_queue_only_reads_the_queue_alone() -> None:
+    queue = autoscaled("queue-only", _spec())
+    assert queue.policy.signals == frozenset({"queue"})
+    assert queue.interval_seconds == 30
+    assert autoscaled("kv-only", _spec()).policy.signals == frozenset({"kv"})
+    brook = autoscaled("brook", _spec())
+    assert brook == Autoscaled(Policy.from_spec(_spec()), 5)
+
+
+def test_compare_scores_every_policy_against_static_peak() -> None:
+    profile = _profile()
+    requests = _trace((3.0, 0, 300), (12.0, 300, 600), (3.0, 600, 900))
+    out = compare(requests, profile, _spec(), slo_seconds=1.0)
+    assert set(out.rows) == {"brook", "kv-only", "queue-only", "static-peak", "static-mean"}
+    peak = out.rows["static-peak"]
+    assert peak["replica_hours_vs_static_peak"] == 1.0
+    assert peak["slo_attainment"] >= 0.99
+    assert out.rows["static-mean"]["replicas"] <= peak["replicas"]
+    for row in out.rows.values():
+        assert row["completed"] == row["requests"] == len(requests)
+
+
+# -- shipped traces ------------------------------------------------------------------------
+
+
+def test_regenerating_the_shipped_traces_gives_identical_files(tmp_path: Path) -> None:
+    assert shipped_traces() == sorted(make_traces.TRACES)
+    for path in make_traces.write_all(tmp_path):
+        shipped = TRACES_DIR / path.name
+        # The CSV text is the contract; the gzip bytes match too with the same zlib.
+        assert gzip.decompress(path.read_bytes()) == gzip.decompress(shipped.read_bytes())
+        assert path.read_bytes() == shipped.read_bytes()
+        assert shipped.stat().st_size < 300_000
+
+
+def test_shipped_traces_are_an_hour_of_plausible_requests() -> None:
+    for name in shipped_traces():
+        requests = read_trace(TRACES_DIR / f"{name}.csv.gz")
+        assert 3500 < requests[-1].arrival_s <= 3600
+        assert trace_text(requests) == trace_text(make_traces.make(name))
+    burst = read_trace(TRACES_DIR / "long-prompt-burst.csv.gz")
+    long = [r for r in burst if r.input_tokens >= 1500]
+    assert long and all(1500 <= r.arrival_s < 2100 for r in long if r.input_tokens > 2048)
+
+
+# -- the command ---------------------------------------------------------------------------
+
+
+def _tiny_files(tmp_path: Path) -> tuple[Path, Path]:
+    trace = tmp_path / "tiny.csv"
+    write_trace(_trace((3.0, 0, 200), (10.0, 200, 400)), trace)
+    profile = tmp_path / "tiny.json"
+    profile.write_text(_profile().model_dump_json())
+    return trace, profile
+
+
+def test_cli_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace, profile = _tiny_files(tmp_path)
+    args = ["autoscale", "simulate", "--trace", str(trace), "--profile", str(profile)]
+    assert main([*args, "--json", "--policies", "brook,static-peak"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["slo_ttft_s"] == 1.0 and out["profile"] == "tiny"
+    assert set(out["policies"]) == {"brook", "static-peak"}
+    assert out["policies"]["brook"]["completed"] == out["policies"]["brook"]["requests"]
+    assert main([*args, "--policies", "static-mean", "--slo-ttft", "2"]) == 0
+    assert "static-mean" in capsys.readouterr().out
+
+
+def test_cli_bad_policy_file_exits_2_naming_the_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace, profile = _tiny_files(tmp_path)
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("targetKvCacheUsage: 1.5\nmaxReplicas: 4\n")
+    args = ["autoscale", "simulate", "--trace", str(trace), "--profile", str(profile)]
+    assert main([*args, "--policy", str(policy)]) == 2
+    assert "targetKvCacheUsage" in capsys.readouterr().err
+    policy.write_text("minReplicas: 3\nmaxReplicas: 2\n")
+    assert main([*args, "--policy", str(policy)]) == 2
+    assert "minReplicas (3) exceeds maxReplicas (2)" in capsys.readouterr().err
+    assert main([*args, "--policies", "brook,hpa"]) == 2
+    assert "unknown policies hpa" in capsys.readouterr().err
+    bad = tmp_path / "bad.csv"
+    bad.write_text("arrival_s,input_tokens,output_tokens\n0,12,x\n")
+    assert main(["autoscale", "simulate", "--trace", str(bad)]) == 2
+    assert "line 2, column output_tokens" in capsys.readouterr().err
+
+
+def test_cli_plot_without_matplotlib_says_how_to_get_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trace, profile = _tiny_files(tmp_path)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    args = ["autoscale", "simulate", "--trace", str(trace), "--profile", str(profile)]
+    assert main([*args, "--policies", "static-peak", "--plot", str(tmp_path / "p.png")]) == 2
+    assert "pip install 'brook[plot]'" in capsys.readouterr().err
+
+
+def test_cli_plot_and_decisions(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    trace, profile = _tiny_files(tmp_path)
+    png, decisions = tmp_path / "p.png", tmp_path / "d.csv"
+    args = ["autoscale", "simulate", "--trace", str(trace), "--profile", str(profile)]
+    assert (
+        main(
+            [
+                *args,
+                "--policies",
+                "brook,static-peak",
+                "--plot",
+                str(png),
+                "--decisions",
+                str(decisions),
+            ]
+        )
+        == 0
+    )
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    lines = decisions.read_text().splitlines()
+    assert lines[0].startswith("policy,time_s") and lines[1].startswith("brook,15,")
+
+
+def test_the_simulator_loads_nothing_heavy() -> None:
+    code = (
+        "import sys, brook_operator.cli, brook_operator.autoscaler.simulate\n"
+        "print(sorted(m for m in ('matplotlib', 'numpy', 'torch') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    assert out.stdout.strip() == "[]"
