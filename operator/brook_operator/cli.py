@@ -247,13 +247,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     simulate.add_argument(
         "--policy",
-        help="YAML or JSON file of spec.autoscaling fields (camelCase) for brook and kv-only "
+        help="YAML or JSON file of spec.autoscaling fields (camelCase) for brook and its ablations "
         "(default: every default, maxReplicas from the profile)",
     )
     simulate.add_argument(
         "--policies",
-        default="brook,kv-only,queue-only,static-peak,static-mean",
-        help="comma list of policies to run (default: all five)",
+        default="brook,no-overlap,kv-only,queue-only,static-peak,static-mean",
+        help="comma list of policies to run (default: all six)",
     )
     simulate.add_argument(
         "--slo-ttft", type=float, help="TTFT SLO in seconds (default: the profile's)"

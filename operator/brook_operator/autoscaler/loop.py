@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import ValidationError
@@ -35,7 +35,7 @@ from brook_operator.autoscaler.status import autoscaling_status
 from brook_operator.controller.events import post_event, post_transitions
 from brook_operator.controller.reconcile import Reconciler, parse
 from brook_operator.controller.status import now_rfc3339
-from brook_operator.kube import KubeClient
+from brook_operator.kube import KubeClient, KubeError
 from brook_operator.render import ROLE_LABEL, selector_labels
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,28 @@ def _timestamp(value: str | None) -> float | None:
     if not value:
         return None
     return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+
+
+def _rfc3339(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+#: Controllers whose pods are replicas: a Deployment's ReplicaSet, a LeaderWorkerSet's
+#: StatefulSet.
+_REPLICA_OWNERS = {"ReplicaSet", "StatefulSet"}
+
+
+def _replica_pod(pod: dict[str, Any]) -> bool:
+    """A pod the workload made, not terminating (a draining pod is neither capacity nor
+    load), and not on the host network (its address would be the node's). A pod someone
+    else made with the same labels is not a replica and is not scraped."""
+    metadata = pod.get("metadata") or {}
+    if metadata.get("deletionTimestamp") or (pod.get("spec") or {}).get("hostNetwork"):
+        return False
+    return any(
+        ref.get("controller") and ref.get("kind") in _REPLICA_OWNERS
+        for ref in metadata.get("ownerReferences") or []
+    )
 
 
 def _ready(pod: dict[str, Any]) -> bool:
@@ -114,15 +136,23 @@ class Autoscaler:
         memory = self.memory.setdefault(key, _Memory([Recommendation(now, current)]))
         pods = self._leader_pods(llmi)
         signals = self._signals(pods, memory, now)
-        policy = Policy.from_spec(spec)
+        policy = Policy.from_spec(spec, max_num_seqs=llmi.spec.scheduler.max_num_seqs)
         decision = decide(signals, current, policy, memory.history, now)
         memory.history.append(decision.recommendation_at(now))
         memory.history = [h for h in memory.history if now - h.time <= policy.longest_window]
 
         dry_run = spec.mode == "DryRun"
         before = dict(body.get("status") or {})
+        used = [t for _, t in memory.samples.values()]
+        sample_time = _rfc3339(min(used)) if used and decision.metrics_available else None
         status = autoscaling_status(
-            before, decision, current, now_rfc3339(), llmi.metadata.generation, dry_run
+            before,
+            decision,
+            current,
+            now_rfc3339(),
+            llmi.metadata.generation,
+            dry_run,
+            sample_time=sample_time,
         )
         apply = not dry_run and decision.desired != current
         if apply and decision.desired < current and workload.get("kind") == "Deployment":
@@ -130,11 +160,21 @@ class Autoscaler:
         self.kube.patch_status(API_VERSION, KIND, key[0], key[1], status)
         after = {**before, **status}
         if apply:
-            result = self.reconciler.reconcile({**body, "status": after})
+            # Resize from the resource as it is now: a spec edited while this round scraped
+            # must not be rolled back by applying the children of the old one.
+            fresh = self.kube.get(API_VERSION, KIND, key[0], key[1])
+            generation = (fresh or {}).get("metadata", {}).get("generation")
+            if fresh is None or generation != llmi.metadata.generation:
+                log.info("%s/%s changed during the round; resizing next round", *key)
+                return decision
+            result = self.reconciler.reconcile({**fresh, "status": after})
             after = result.status or after
-            verb = "ScaledOut" if decision.desired > current else "ScaledIn"
-            log.info("%s/%s: %s", key[0], key[1], decision.reason)
-            post_event(self.kube, body, "Normal", verb, decision.reason)
+            if result.error is not None:
+                log.warning("%s/%s: resize failed: %s", key[0], key[1], result.error)
+            else:
+                verb = "ScaledOut" if decision.desired > current else "ScaledIn"
+                log.info("%s/%s: %s", key[0], key[1], decision.reason)
+                post_event(self.kube, body, "Normal", verb, decision.reason)
         post_transitions(self.kube, body, before, after)
         return decision
 
@@ -144,8 +184,7 @@ class Autoscaler:
         labels = {**selector_labels(llmi), ROLE_LABEL: "leader"}
         selector = ",".join(f"{k}={v}" for k, v in labels.items())
         pods = self.kube.list("v1", "Pod", llmi.metadata.namespace, selector)
-        # A terminating pod is draining: neither capacity nor load any more.
-        return [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
+        return [p for p in pods if _replica_pod(p)]
 
     def _signals(
         self, pods: list[dict[str, Any]], memory: _Memory, now: float
@@ -175,6 +214,7 @@ class Autoscaler:
                     age_seconds=now - created if created is not None else 0.0,
                     kv_cache_usage=kept[0].kv_cache_usage if kept else None,
                     waiting_requests=kept[0].waiting_requests if kept else None,
+                    running_requests=kept[0].running_requests if kept else None,
                     overlap_ratio=kept[0].overlap_ratio if kept else None,
                     sample_age_seconds=now - kept[1] if kept else None,
                 )
@@ -195,9 +235,12 @@ class Autoscaler:
             annotations = (pod.get("metadata") or {}).get("annotations") or {}
             if annotations.get(DELETION_COST) == str(cost):
                 continue
-            self.kube.annotate(
-                "v1", "Pod", llmi.metadata.namespace, name, {DELETION_COST: str(cost)}
-            )
+            try:
+                self.kube.annotate(
+                    "v1", "Pod", llmi.metadata.namespace, name, {DELETION_COST: str(cost)}
+                )
+            except KubeError as exc:  # best effort: the scale-in goes ahead regardless
+                log.warning("could not set the deletion cost of pod %s: %s", name, exc)
 
 
 def interval_seconds(body: dict[str, Any]) -> float | None:

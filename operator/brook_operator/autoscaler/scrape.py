@@ -4,6 +4,7 @@ with prometheus_client's own parser and looked up by the names the engine export
 
 from __future__ import annotations
 
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -28,6 +29,7 @@ class ScrapeError(Exception):
 class EngineSample:
     kv_cache_usage: float
     waiting_requests: float
+    running_requests: float | None
     overlap_ratio: float | None
     """None from an engine that does not export it (treated as 1: no communication)."""
 
@@ -37,6 +39,7 @@ def parse_metrics(text: str) -> EngineSample:
     wanted = {
         names.KV_CACHE_USAGE_RATIO,
         names.NUM_REQUESTS_WAITING,
+        names.NUM_REQUESTS_RUNNING,
         names.COMM_COMPUTE_OVERLAP_RATIO,
     }
     values: dict[str, float] = {}
@@ -52,22 +55,53 @@ def parse_metrics(text: str) -> EngineSample:
         raise ScrapeError(f"metrics lack {', '.join(missing)} (is this a Brook engine?)")
     kv = values[names.KV_CACHE_USAGE_RATIO]
     waiting = values[names.NUM_REQUESTS_WAITING]
+    running = values.get(names.NUM_REQUESTS_RUNNING)
     overlap = values.get(names.COMM_COMPUTE_OVERLAP_RATIO)
-    if not 0.0 <= kv <= 1.0 or waiting < 0 or (overlap is not None and not 0.0 <= overlap <= 1):
-        raise ScrapeError(f"metrics out of range: kv={kv} waiting={waiting} overlap={overlap}")
-    return EngineSample(kv_cache_usage=kv, waiting_requests=waiting, overlap_ratio=overlap)
+    if (
+        not 0.0 <= kv <= 1.0
+        or waiting < 0
+        or (running is not None and running < 0)
+        or (overlap is not None and not 0.0 <= overlap <= 1)
+    ):
+        raise ScrapeError(
+            f"metrics out of range: kv={kv} waiting={waiting} running={running} overlap={overlap}"
+        )
+    return EngineSample(
+        kv_cache_usage=kv, waiting_requests=waiting, running_requests=running, overlap_ratio=overlap
+    )
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: object, **kwargs: object) -> None:
+        return None  # a redirect is an error: the operator only talks to the pod itself
+
+
+#: Direct connections only: no proxy from the environment, no redirects (a pod must not be
+#: able to point the operator elsewhere).
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())
+_CHUNK = 64 * 1024
 
 
 def scrape(url: str, timeout: float = SCRAPE_TIMEOUT_SECONDS) -> EngineSample:
-    """GET ``url`` (an engine's /metrics) and parse it."""
+    """GET ``url`` (an engine's /metrics) and parse it, within ``timeout`` overall (a pod
+    that sends its answer a byte at a time is cut off, not waited for)."""
+    deadline = time.monotonic() + timeout
+    chunks: list[bytes] = []
+    size = 0
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            body = response.read(MAX_BODY_BYTES + 1)
+        with _OPENER.open(url, timeout=timeout) as response:
+            if response.status != 200:
+                raise ScrapeError(f"{url}: HTTP {response.status}")
+            while chunk := response.read1(_CHUNK):
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > MAX_BODY_BYTES:
+                    raise ScrapeError(f"{url}: more than {MAX_BODY_BYTES} bytes of metrics")
+                if time.monotonic() > deadline:
+                    raise ScrapeError(f"{url}: no complete answer within {timeout:g} s")
     except (urllib.error.URLError, OSError, ValueError) as exc:
         raise ScrapeError(f"{url}: {exc}") from None
-    if len(body) > MAX_BODY_BYTES:
-        raise ScrapeError(f"{url}: more than {MAX_BODY_BYTES} bytes of metrics")
-    return parse_metrics(body.decode("utf-8", errors="replace"))
+    return parse_metrics(b"".join(chunks).decode("utf-8", errors="replace"))
 
 
 Scraper = Callable[[str], EngineSample]

@@ -1,7 +1,7 @@
 """The autoscaler's part of an ``LLMInference``'s status (pure): the signals it read with
-their sample time, its last 10 decisions, ``desiredReplicas``, and three conditions —
-MetricsAvailable, ScalingActive and ScalingLimited (reason AtMax, AtMin, Cooldown, Stale,
-StepLimit or Startup)."""
+the time of the oldest sample it used, its last 10 decisions, ``desiredReplicas``, and
+three conditions — MetricsAvailable, ScalingActive and ScalingLimited (reason AtMax, AtMin,
+Cooldown, Stale, StepLimit or Startup)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ def autoscaling_status(
     now: str,
     generation: int | None,
     dry_run: bool,
+    sample_time: str | None = None,
 ) -> dict[str, Any]:
     """The status fields the autoscaler owns after ``decision`` (a merge patch)."""
     previous_status = previous_status or {}
@@ -41,7 +42,7 @@ def autoscaling_status(
         "overlapRatio": _round(aggregate.overlap_ratio),
         "waitingRequests": _round(aggregate.waiting_requests),
         "replicasReporting": aggregate.replicas_reporting,
-        "sampleTime": now,
+        "sampleTime": sample_time,
     }
     entry = {
         "time": now,
@@ -85,6 +86,6 @@ def autoscaling_status(
         "autoscaling": {"signals": signals, "lastDecisions": decisions},
         "conditions": conditions,
     }
-    if not dry_run:
-        status["desiredReplicas"] = decision.desired
+    # DryRun changes nothing: the count wanted stays the one running.
+    status["desiredReplicas"] = current if dry_run else decision.desired
     return status

@@ -140,13 +140,17 @@ def compute_status(
     own = {c["type"] for c in conditions}
     conditions += [c for t, c in previous.items() if t not in own]
     selector = {**selector_labels(llmi), ROLE_LABEL: "leader"}
-    return {
+    status: dict[str, Any] = {
         "observedGeneration": generation,
         "replicas": replicas,
         "readyReplicas": ready,
-        "desiredReplicas": desired,
         "selector": ",".join(f"{k}={v}" for k, v in selector.items()),
         "topology": topology(llmi.spec).model_dump(by_alias=True),
         "endpoint": endpoint(llmi),
         "conditions": conditions,
     }
+    # With autoscaling the count is the autoscaler's to write: a status computed from an
+    # older snapshot must not undo its latest decision.
+    if llmi.spec.autoscaling is None:
+        status["desiredReplicas"] = desired
+    return status

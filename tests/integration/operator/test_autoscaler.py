@@ -29,6 +29,14 @@ NAME = "tiny-auto"
 #: Pod IPs: each one a loopback address with its own engine server.
 ADDRESSES = ("127.0.0.2", "127.0.0.3")
 TIMEOUT = 90.0
+#: The ReplicaSet the pods would belong to (the autoscaler only reads a workload's pods).
+REPLICA_SET = {
+    "apiVersion": "apps/v1",
+    "kind": "ReplicaSet",
+    "name": f"{NAME}-5d8f7",
+    "uid": "00000000-0000-4000-8000-000000000001",
+    "controller": True,
+}
 
 AUTOSCALING = {
     "minReplicas": 1,
@@ -107,6 +115,7 @@ class Fleet:
                     "name": name,
                     "namespace": NAMESPACE,
                     "labels": template["metadata"]["labels"],
+                    "ownerReferences": [REPLICA_SET],
                 },
                 "spec": {"containers": containers},
             }

@@ -75,17 +75,32 @@ def _llmi(mode: str) -> dict[str, Any]:
     }
 
 
-def _add_pod(api: KubeApi, name: str, port: int) -> None:
+REPLICA_SET = {
+    "apiVersion": "apps/v1",
+    "kind": "ReplicaSet",
+    "name": f"{NAME}-5d8f7",
+    "uid": "00000000-0000-4000-8000-000000000002",
+    "controller": True,
+}
+
+
+def _add_pod(
+    api: KubeApi, name: str, port: int, owned: bool = True, host_network: bool = False
+) -> None:
     labels = api.get("deployments", NAME, NAMESPACE)["spec"]["template"]["metadata"]["labels"]
+    metadata: dict[str, Any] = {"name": name, "namespace": NAMESPACE, "labels": labels}
+    if owned:
+        metadata["ownerReferences"] = [REPLICA_SET]
     api.create(
         {
             "apiVersion": "v1",
             "kind": "Pod",
-            "metadata": {"name": name, "namespace": NAMESPACE, "labels": labels},
+            "metadata": metadata,
             "spec": {
+                "hostNetwork": host_network,
                 "containers": [
                     {"name": "engine", "ports": [{"name": "http", "containerPort": port}]}
-                ]
+                ],
             },
         }
     )
@@ -113,12 +128,18 @@ def test_dry_run_then_active_then_a_restart_keeps_the_window(
     reconciler.reconcile(_body(api))
     assert _replicas(api) == 1
     _add_pod(api, "canned-a", exposition.port)
+    # Pods with the labels that the workload did not make, or on the host network, are not
+    # replicas: neither scraped nor counted.
+    _add_pod(api, "lookalike", exposition.port, owned=False)
+    _add_pod(api, "host-net", exposition.port, host_network=True)
 
     # DryRun: 0.95 KV on one replica → ceil(0.95 / 0.75) = 2, recorded, not applied.
     exposition.kv = 0.95
     decision = Autoscaler(reconciler).run_once(_body(api))
     assert decision is not None and decision.desired == 2
+    assert decision.aggregate.replicas_reporting == 1  # not the look-alikes
     status = _body(api)["status"]
+    assert status["autoscaling"]["signals"]["sampleTime"].endswith("Z")
     assert _replicas(api) == 1
     assert status["desiredReplicas"] == 1
     assert status["autoscaling"]["lastDecisions"][-1]["reason"].startswith("dry run: 1 → 2")
@@ -149,9 +170,12 @@ def test_dry_run_then_active_then_a_restart_keeps_the_window(
     decision = later.run_once(_body(api))
     assert decision is not None and decision.desired == 1, decision
     assert _replicas(api) == 1
-    # Both pods idle and equal: each got a deletion cost before the scale-in.
-    costs = [
-        (p["metadata"].get("annotations") or {}).get("controller.kubernetes.io/pod-deletion-cost")
+    # Both replicas idle and equal: each got a deletion cost before the scale-in; the
+    # look-alikes none.
+    costs = {
+        p["metadata"]["name"]: (p["metadata"].get("annotations") or {}).get(
+            "controller.kubernetes.io/pod-deletion-cost"
+        )
         for p in api.list("pods", NAMESPACE)
-    ]
-    assert costs == ["0", "0"]
+    }
+    assert costs == {"canned-a": "0", "canned-b": "0", "lookalike": None, "host-net": None}

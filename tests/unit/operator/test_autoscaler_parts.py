@@ -39,6 +39,7 @@ def _exposition(kv: float, waiting: int, overlap: float) -> str:
 
 def test_parse_reads_the_engines_own_exposition() -> None:
     sample = parse_metrics(_exposition(0.625, 7, 0.83))
+    assert sample.running_requests == 3.0
     assert (sample.kv_cache_usage, sample.waiting_requests, sample.overlap_ratio) == (
         0.625,
         7.0,
@@ -119,10 +120,11 @@ def test_status_records_changes_keeps_ten_and_sets_conditions() -> None:
     assert again["autoscaling"]["lastDecisions"] == decisions
 
 
-def test_dry_run_records_without_desired_replicas() -> None:
+def test_dry_run_records_without_changing_desired_replicas() -> None:
     decision = decide(fleet(2, kv=0.95), 2, Policy(), [], 0.0)
+    assert decision.desired == 3
     status = autoscaling_status({}, decision, 2, "t0", 1, dry_run=True)
-    assert "desiredReplicas" not in status
+    assert status["desiredReplicas"] == 2
     assert status["autoscaling"]["lastDecisions"][0]["reason"].startswith("dry run: ")
     assert _conditions(status)["ScalingActive"]["reason"] == "DryRun"
 

@@ -26,6 +26,7 @@ def fleet(
     waiting: float = 0.0,
     overlap: float | None = 1.0,
     *,
+    running: float | None = None,
     ready: bool = True,
     age: float = 3600.0,
     sample_age: float | None = 1.0,
@@ -38,6 +39,7 @@ def fleet(
             age_seconds=age,
             kv_cache_usage=kv if ready else None,
             waiting_requests=waiting if ready else None,
+            running_requests=running if ready else None,
             overlap_ratio=overlap if ready else None,
             sample_age_seconds=sample_age if ready else None,
         )
@@ -45,9 +47,11 @@ def fleet(
     ]
 
 
-def past(*pairs: tuple[float, int], queue_high: bool = False) -> list[Recommendation]:
-    """Recommendations ``seconds_ago`` → replicas."""
-    return [Recommendation(NOW - ago, n, queue_high) for ago, n in pairs]
+def past(
+    *pairs: tuple[float, int], queue_high: bool = False, desired: int | None = None
+) -> list[Recommendation]:
+    """Recommendations ``seconds_ago`` → replicas (each with ``desired`` as decided then)."""
+    return [Recommendation(NOW - ago, n, queue_high, desired) for ago, n in pairs]
 
 
 @dataclass
@@ -79,18 +83,22 @@ CASES = [
     ),
     Case("at max", fleet(10, kv=1.0), 10, 10, "AtMax"),
     Case("lowered max wins", fleet(12, kv=0.75), 12, 10, "AtMax"),
-    # Scale-in: ceil(4 × 0.2 / 0.75) = 2; the window saw nothing higher than 2.
+    # Scale-in projects usage growing with the square of the load share:
+    # u = 4 × 0.1 / (4 × 0.75) = 0.133 → ceil(4 × √0.133) = 2; the window saw nothing higher.
     Case(
         "idle scales in after the window",
-        fleet(4, kv=0.2),
+        fleet(4, kv=0.1),
         4,
         2,
         history=past((400, 4), (250, 2), (100, 2)),
         policy={"max_scale_down_step": 4},
     ),
+    # u = 0.6 → ceil(4 × √0.6) = 4 where a linear projection (ceil(1.6 / 0.75) = 3) would
+    # scale in, only to see the survivors' batches fill faster than their share of load.
+    Case("scale-in projects convex usage", fleet(4, kv=0.45), 4, 4, history=past((400, 4))),
     Case(
         "scale-in step bound",
-        fleet(4, kv=0.2),
+        fleet(4, kv=0.1),
         4,
         3,
         "StepLimit",
@@ -98,7 +106,7 @@ CASES = [
     ),
     Case(
         "scale-down window keeps the highest recommendation",
-        fleet(4, kv=0.2),
+        fleet(4, kv=0.1),
         4,
         4,
         "Cooldown",
@@ -107,7 +115,7 @@ CASES = [
     ),
     Case(
         "scale-down window partly",
-        fleet(4, kv=0.2),
+        fleet(4, kv=0.1),
         4,
         3,
         "Cooldown",
@@ -132,6 +140,7 @@ CASES = [
         policy={"scale_up_stabilization_seconds": 60},
     ),
     Case("at min", fleet(2, kv=0.05), 2, 2, "AtMin", policy={"min_replicas": 2}),
+    Case("idle at min 1", fleet(1, kv=0.0), 1, 1, "AtMin", history=past((400, 1))),
     Case("raised min wins", fleet(1, kv=0.75), 1, 2, "AtMin", policy={"min_replicas": 2}),
     # Stale and missing metrics hold; never scale in.
     Case(
@@ -194,11 +203,19 @@ CASES = [
         2,
         3,
     ),
-    # Startup grace: 2 ready at 0.95 and 2 starting → C = 4, Σkv / target = 2.53 → 3 < 4:
-    # no further scale-out for the same load, and no scale-in because the new ones are idle.
+    # Startup grace: 2 ready at 0.95 and 2 starting → C = 4, u = 1.9 / 3 = 0.63: the same
+    # load does not scale out again (4 stays 4).
     Case(
         "starting replicas are capacity on the way",
         fleet(2, kv=0.95, prefix="a") + fleet(2, ready=False, age=30.0, prefix="b"),
+        4,
+        4,
+        policy={"scale_down_stabilization_seconds": 0},
+    ),
+    # ... and idle new replicas are not surplus: u = 0.6 / 3 → 3 < 4, held.
+    Case(
+        "no scale-in while replicas start",
+        fleet(2, kv=0.3, prefix="a") + fleet(2, ready=False, age=30.0, prefix="b"),
         4,
         4,
         "Startup",
@@ -206,10 +223,21 @@ CASES = [
     ),
     Case(
         "replicas without pods yet are starting",
-        fleet(2, kv=0.95),
+        fleet(2, kv=0.3),
         4,
         4,
         "Startup",
+        history=[Recommendation(NOW - 60, 4, False, 4)],
+        policy={"scale_down_stabilization_seconds": 0},
+    ),
+    # A quota that refuses the pods must not block scale-in forever.
+    Case(
+        "pod-less replicas stop counting after the grace",
+        fleet(2, kv=0.1),
+        4,
+        3,
+        "StepLimit",
+        history=[Recommendation(NOW - 700, 4, False, 4)],
         policy={"scale_down_stabilization_seconds": 0},
     ),
     Case(
@@ -226,14 +254,43 @@ CASES = [
         "StepLimit",
         policy={"scale_down_stabilization_seconds": 0},
     ),
-    # Queue: ceil(2 × 20 / 8) = 5 once the queue has persisted over two samples.
+    # Queue: 40 waiting need ceil(40 / (0.75 × 32 slots)) = 2 more replicas, once the queue
+    # has persisted over two samples; replicas already starting count against that.
     Case(
         "persistent queue scales out",
         fleet(2, kv=0.75, waiting=20),
         2,
-        5,
+        4,
         history=past((15, 2), queue_high=True),
+        policy={"max_num_seqs": 32},
         reason_has="persists",
+    ),
+    Case(
+        "a queue with replicas on the way",
+        fleet(2, kv=0.75, waiting=20) + fleet(1, ready=False, age=30.0, prefix="b"),
+        3,
+        4,
+        history=past((15, 3), queue_high=True),
+        policy={"max_num_seqs": 32},
+        reason_has="+1 (1 starting)",
+    ),
+    Case(
+        "waiting requests block scale-in",
+        fleet(4, kv=0.1, waiting=20),
+        4,
+        4,
+        "Cooldown",
+        history=past((400, 4)),
+        reason_has="requests are waiting",
+    ),
+    # Full batch slots saturate a replica whose KV cache is far from full.
+    Case(
+        "batch slots saturate",
+        fleet(2, kv=0.2, running=8),
+        2,
+        3,
+        policy={"max_num_seqs": 8},
+        reason_has="KV/slots 1.00",
     ),
     Case(
         "a first queue sample waits",
@@ -265,11 +322,11 @@ CASES = [
         2,
         policy={"signals": frozenset({"queue"})},
     ),
-    # Overlap: 4 replicas at KV 0.6 (u = 0.8, below the band) → KV alone keeps 4
-    # (ceil(2.4 / 0.75) = 4); under-fed replicas pack to 0.825: ceil(2.4 / 0.825) = 3.
+    # Overlap: 4 replicas at KV 0.55 (u = 0.73, below the band): KV alone projects
+    # ceil(4 × √0.73) = 4; under-fed replicas pack to 0.79: ceil(2.2 / 0.7875) = 3.
     Case(
         "under-fed replicas consolidate",
-        fleet(4, kv=0.6, overlap=0.5),
+        fleet(4, kv=0.55, overlap=0.5),
         4,
         3,
         history=past((400, 4)),
@@ -277,7 +334,7 @@ CASES = [
     ),
     Case(
         "KV alone keeps them",
-        fleet(4, kv=0.6, overlap=0.5),
+        fleet(4, kv=0.55, overlap=0.5),
         4,
         4,
         history=past((400, 4)),
@@ -285,7 +342,14 @@ CASES = [
     ),
     Case(
         "overlap above floor: no consolidation",
-        fleet(4, kv=0.6, overlap=0.9),
+        fleet(4, kv=0.55, overlap=0.9),
+        4,
+        4,
+        history=past((400, 4)),
+    ),
+    Case(
+        "no consolidation on partial data",
+        fleet(3, kv=0.55, overlap=0.5) + fleet(1, kv=None, sample_age=None, prefix="m"),
         4,
         4,
         history=past((400, 4)),
@@ -298,7 +362,7 @@ CASES = [
     ),
     Case(
         "consolidation obeys the scale-down window",
-        fleet(4, kv=0.6, overlap=0.5),
+        fleet(4, kv=0.55, overlap=0.5),
         4,
         4,
         "Cooldown",
@@ -340,7 +404,7 @@ def test_history_drives_a_whole_episode_without_reversal() -> None:
     downs = [m for m in moves if m[2] < m[1]]
     # KV usage saturates at 1.0, so the hidden load shows one step at a time.
     assert ups == [(450.0, 2, 3), (465.0, 3, 4)], moves
-    assert downs and downs[-1][2] == 1, moves
+    assert downs == [(1035.0, 4, 2)], moves  # ceil(4 × √(0.6 / 3)) = 2
     assert downs[0][0] >= 49 * 15.0 + policy.scale_down_stabilization_seconds, moves
     assert len(moves) == 3, moves
 

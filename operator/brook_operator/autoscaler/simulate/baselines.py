@@ -26,18 +26,23 @@ from brook_operator.autoscaler.simulate.profile import Profile
 from brook_operator.autoscaler.simulate.run import Autoscaled, RunResult, simulate
 from brook_operator.autoscaler.simulate.trace import Request
 
-POLICIES = ("brook", "kv-only", "queue-only", "static-peak", "static-mean")
+POLICIES = ("brook", "no-overlap", "kv-only", "queue-only", "static-peak", "static-mean")
 SLO_QUANTILE = 0.99
 DEMAND_WINDOW_SECONDS = 300.0
 QUEUE_ONLY_INTERVAL_SECONDS = 30
 
 
-def autoscaled(name: str, spec: AutoscalingSpec) -> Autoscaled:
-    """The policy ``name`` (one of the autoscaled ones) from the user's ``spec``."""
+def autoscaled(name: str, spec: AutoscalingSpec, max_num_seqs: int | None = None) -> Autoscaled:
+    """The policy ``name`` (one of the autoscaled ones) from the user's ``spec``; the
+    replica's batch slots (``max_num_seqs``) as the operator reads them from the spec."""
     if name == "brook":
-        return Autoscaled(Policy.from_spec(spec), spec.interval_seconds)
+        return Autoscaled(Policy.from_spec(spec, max_num_seqs=max_num_seqs), spec.interval_seconds)
+    if name == "no-overlap":  # the ablation that isolates the overlap signal
+        policy = Policy.from_spec(spec, frozenset({"kv", "queue"}), max_num_seqs=max_num_seqs)
+        return Autoscaled(policy, spec.interval_seconds)
     if name == "kv-only":
-        return Autoscaled(Policy.from_spec(spec, frozenset({"kv"})), spec.interval_seconds)
+        policy = Policy.from_spec(spec, frozenset({"kv"}), max_num_seqs=max_num_seqs)
+        return Autoscaled(policy, spec.interval_seconds)
     if name == "queue-only":
         hpa = AutoscalingSpec(
             min_replicas=spec.min_replicas,

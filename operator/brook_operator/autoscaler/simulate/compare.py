@@ -91,7 +91,13 @@ def compare(
             result = simulate(requests, profile, mean, None, slo)
             extra = {"replicas": mean}
         else:
-            result = simulate(requests, profile, initial, baselines.autoscaled(name, spec), slo)
+            result = simulate(
+                requests,
+                profile,
+                initial,
+                baselines.autoscaled(name, spec, profile.max_num_seqs),
+                slo,
+            )
             extra = {"initial_replicas": initial}
         out.results[name] = result
         out.rows[name] = {**summary(result, slo, peak_hours, window), **extra}

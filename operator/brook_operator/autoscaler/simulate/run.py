@@ -115,6 +115,7 @@ def signals_of(replicas: Sequence[Replica], now: float) -> list[ReplicaSignals]:
                 age_seconds=now - r.created,
                 kv_cache_usage=min(1.0, r.kv_held / r.profile.kv_cache_tokens) if ready else None,
                 waiting_requests=float(len(r.waiting)) if ready else None,
+                running_requests=float(r.num_running) if ready else None,
                 overlap_ratio=r.profile.overlap_ratio(r.num_decoding) if ready else None,
                 sample_age_seconds=0.0 if ready else None,
             )
