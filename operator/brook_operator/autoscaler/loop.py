@@ -224,14 +224,19 @@ class Autoscaler:
     def _mark_deletion_costs(
         self, llmi: LLMInference, pods: list[dict[str, Any]], memory: _Memory
     ) -> None:
-        """Lower cost = removed first: the pod holding the least KV state (and queue)."""
+        """Lower cost = removed first: the pod holding the least KV state (then the fewest
+        running and waiting requests)."""
         for pod in pods:
             name = pod["metadata"]["name"]
             kept = memory.samples.get(name)
             if kept is None:
                 continue  # unready pods are removed before ready ones anyway
             sample = kept[0]
-            cost = round(sample.kv_cache_usage * 1_000_000) + round(sample.waiting_requests)
+            cost = (
+                round(sample.kv_cache_usage * 1_000_000)
+                + round((sample.running_requests or 0.0) * 1_000)
+                + round(sample.waiting_requests)
+            )
             annotations = (pod.get("metadata") or {}).get("annotations") or {}
             if annotations.get(DELETION_COST) == str(cost):
                 continue

@@ -134,14 +134,18 @@ class Fleet:
         self._mark_ready()
         return name
 
+    def deletion_costs(self) -> dict[str, int]:
+        return {
+            pod["metadata"]["name"]: int(
+                (pod["metadata"].get("annotations") or {}).get(DELETION_COST, "0")
+            )
+            for pod in self.api.list("pods", NAMESPACE)
+        }
+
     def remove_cheapest_pod(self) -> str:
         """What the ReplicaSet controller does on scale-in: lowest deletion cost first."""
-        pods = self.api.list("pods", NAMESPACE)
-
-        def cost(pod: dict[str, Any]) -> int:
-            return int((pod["metadata"].get("annotations") or {}).get(DELETION_COST, "0"))
-
-        victim = min(pods, key=cost)["metadata"]["name"]
+        costs = self.deletion_costs()
+        victim = min(costs, key=lambda name: costs[name])
         self.api.delete("pods", victim, NAMESPACE)
         address = self.pods.pop(victim)
         self.servers.pop(address).stop()  # the pod drains and exits
@@ -309,9 +313,13 @@ def test_load_scales_out_stale_metrics_hold_idleness_scales_in(
     # fleet scales in, and the idle pod is the one marked cheapest to delete.
     busy = fleet.start_server(first)
     fleet.start_server(second)
-    light = Load(busy, concurrency=1, prompt=40, tokens=150)
+    # Two overlapping clients × 6 blocks: the busy pod always holds some KV (≤ 0.375),
+    # little enough that ceil(2 × √u) = 1.
+    light = Load(busy, concurrency=2, prompt=20, tokens=70)
     try:
         _wait(lambda: _replicas(api) == 1, "a scale-in once idle", timeout=120)
+        costs = fleet.deletion_costs()
+        assert costs[f"{NAME}-3"] < costs[f"{NAME}-2"], costs
         victim = fleet.remove_cheapest_pod()
     finally:
         light.stop()
