@@ -10,6 +10,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import kmock
 import pytest
 
 from brook_operator.autoscaler.loop import Autoscaler
@@ -179,3 +180,50 @@ def test_dry_run_then_active_then_a_restart_keeps_the_window(
         for p in api.list("pods", NAMESPACE)
     }
     assert costs == {"canned-a": "0", "canned-b": "0", "lookalike": None, "host-net": None}
+
+
+def _two_replicas(api: KubeApi, port: int) -> Reconciler:
+    manifest = _llmi("Active")
+    manifest["spec"]["autoscaling"].update(
+        {"scaleDownStabilizationSeconds": 0, "startupGraceSeconds": 0}
+    )
+    api.create(manifest)
+    reconciler = Reconciler(KubeClient.from_environment())
+    api.set_status("llmi", NAME, {"desiredReplicas": 2}, NAMESPACE)
+    reconciler.reconcile(_body(api))
+    assert _replicas(api) == 2
+    _add_pod(api, "canned-a", port)
+    _add_pod(api, "canned-b", port)
+    return reconciler
+
+
+def test_a_refused_deletion_cost_does_not_stop_the_scale_in(
+    kube_api: KubeApi, brook_crd: dict[str, Any], exposition: Exposition
+) -> None:
+    api = kube_api
+    api.create_namespace(NAMESPACE)
+    reconciler = _two_replicas(api, exposition.port)
+    api.handler[kmock.method.PATCH, kmock.resource("", "v1", "pods")] << 403
+    decision = Autoscaler(reconciler, clock=lambda: 1_000.0).run_once(_body(api))
+    assert decision is not None and decision.desired == 1, decision
+    assert _replicas(api) == 1
+    assert [e["reason"] for e in api.list("events", NAMESPACE)].count("ScaledIn") == 1
+
+
+def test_a_failed_resize_posts_no_scaled_event(
+    kube_api: KubeApi, brook_crd: dict[str, Any], exposition: Exposition
+) -> None:
+    api = kube_api
+    api.create_namespace(NAMESPACE)
+    reconciler = _two_replicas(api, exposition.port)
+    exposition.kv = 1.0
+    api.handler[kmock.method.PATCH, kmock.resource("apps", "v1", "deployments")] << 500
+    decision = Autoscaler(reconciler).run_once(_body(api))
+    assert decision is not None and decision.desired == 3, decision
+    assert _replicas(api) == 2
+    assert "ScaledOut" not in [e["reason"] for e in api.list("events", NAMESPACE)]
+    # The API recovers: the next round resizes (the count is read from the workload).
+    api.clear_reactions()
+    decision = Autoscaler(reconciler).run_once(_body(api))
+    assert decision is not None and decision.desired == 3
+    assert _replicas(api) == 3
