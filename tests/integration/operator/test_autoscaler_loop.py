@@ -17,7 +17,7 @@ from brook_operator.autoscaler.loop import Autoscaler
 from brook_operator.controller import Reconciler
 from brook_operator.kube import KubeClient
 from support.engine_server import free_port
-from support.kube_api import KubeApi
+from support.kube_api import KubeApi, leaderworkerset_crd
 
 NAMESPACE = "ai"
 NAME = "canned"
@@ -227,3 +227,53 @@ def test_a_failed_resize_posts_no_scaled_event(
     decision = Autoscaler(reconciler).run_once(_body(api))
     assert decision is not None and decision.desired == 3
     assert _replicas(api) == 3
+
+
+def test_a_multi_pod_replica_is_read_at_its_leader(
+    kube_api: KubeApi, brook_crd: dict[str, Any], exposition: Exposition
+) -> None:
+    """PP=2 over one-device nodes: two pods per replica, a LeaderWorkerSet. Only the leader
+    runs the scheduler and serves the group's metrics; a worker is neither scraped nor
+    counted as a replica."""
+    api = kube_api
+    api.create_namespace(NAMESPACE)
+    api.create(leaderworkerset_crd())
+    manifest = _llmi("Active")
+    manifest["spec"]["parallel"] = {"pipeline": 2}
+    api.create(manifest)
+    reconciler = Reconciler(KubeClient.from_environment())
+    reconciler.reconcile(_body(api))
+    lws = api.get("leaderworkersets", NAME, NAMESPACE)
+    assert lws is not None and lws["spec"]["replicas"] == 1
+    group = lws["spec"]["leaderWorkerTemplate"]
+    owner = {**REPLICA_SET, "kind": "StatefulSet", "name": NAME}
+    for name, template in (("g0", group["leaderTemplate"]), ("g0-1", group["workerTemplate"])):
+        api.create(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": name,
+                    "namespace": NAMESPACE,
+                    "labels": template["metadata"]["labels"],
+                    "ownerReferences": [owner],
+                },
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "engine",
+                            "ports": [{"name": "http", "containerPort": exposition.port}],
+                        }
+                    ]
+                },
+            }
+        )
+        ready = {"podIP": ADDRESS, "conditions": [{"type": "Ready", "status": "True"}]}
+        api.set_status("pods", name, ready, NAMESPACE)
+
+    exposition.kv = 0.95
+    decision = Autoscaler(reconciler).run_once(_body(api))
+    assert decision is not None
+    assert (decision.aggregate.ready, decision.aggregate.replicas_reporting) == (1, 1)
+    assert decision.desired == 2  # ceil(0.95 / 0.75): one group, read once
+    assert api.get("leaderworkersets", NAME, NAMESPACE)["spec"]["replicas"] == 2
