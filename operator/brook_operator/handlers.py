@@ -25,6 +25,7 @@ from brook_operator.autoscaler.loop import Autoscaler, interval_seconds
 from brook_operator.controller import Reconciler, ReconcileResult
 from brook_operator.controller.events import post_transitions
 from brook_operator.controller.reconcile import LWS_API_VERSION
+from brook_operator.controller.status import conditions_by_type
 from brook_operator.kube import KubeClient, KubeError
 from brook_operator.operator_metrics import OperatorMetrics
 from brook_operator.rbac import LWS_GROUP
@@ -63,10 +64,6 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         memo["autoscaler"] = Autoscaler(memo["reconciler"])
 
 
-def _conditions(status: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
-    return {c["type"]: c for c in (status or {}).get("conditions") or [] if "type" in c}
-
-
 @kopf.on.resume(*RESOURCE)
 @kopf.on.create(*RESOURCE)
 @kopf.on.update(*RESOURCE)
@@ -83,7 +80,7 @@ def reconcile(body: kopf.Body, memo: kopf.Memo, retry: int, **_: Any) -> None:
         raise kopf.TemporaryError(str(exc), delay=backoff(retry)) from None
     finally:
         metrics.duration.observe(time.perf_counter() - started)
-    spec_valid = _conditions(result.status).get("SpecValid", {}).get("status") == "True"
+    spec_valid = conditions_by_type(result.status).get("SpecValid", {}).get("status") == "True"
     metadata = body.get("metadata") or {}
     metrics.track(
         metadata.get("namespace"),
@@ -181,7 +178,7 @@ async def _resync(memo: kopf.Memo, stop: asyncio.Event) -> None:
 
 
 def _resync_one(reconciler: Reconciler, memo: kopf.Memo, body: dict[str, Any]) -> None:
-    degraded = _conditions(body.get("status")).get("Degraded", {}).get("status") == "True"
+    degraded = conditions_by_type(body.get("status")).get("Degraded", {}).get("status") == "True"
     before = dict(body.get("status") or {})
     try:
         if degraded:

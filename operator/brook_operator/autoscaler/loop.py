@@ -17,12 +17,13 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from pydantic import ValidationError
 
 from brook_operator.api import API_VERSION, KIND, LLMInference
+from brook_operator.api.autoscaling import AutoscalingSpec
 from brook_operator.autoscaler.policy import (
     Decision,
     Policy,
@@ -34,9 +35,10 @@ from brook_operator.autoscaler.scrape import EngineSample, Scraper, scrape, scra
 from brook_operator.autoscaler.status import autoscaling_status
 from brook_operator.controller.events import post_event, post_transitions
 from brook_operator.controller.reconcile import Reconciler, parse
-from brook_operator.controller.status import now_rfc3339
+from brook_operator.controller.status import now_rfc3339, rfc3339
 from brook_operator.kube import KubeClient, KubeError
 from brook_operator.render import ROLE_LABEL, selector_labels
+from brook_operator.render.pod import HTTP_PORT
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +51,6 @@ def _timestamp(value: str | None) -> float | None:
     if not value:
         return None
     return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-
-
-def _rfc3339(timestamp: float) -> str:
-    return datetime.fromtimestamp(timestamp, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 #: Controllers whose pods are replicas: a Deployment's ReplicaSet, a LeaderWorkerSet's
@@ -85,7 +83,7 @@ def metrics_url(pod: dict[str, Any]) -> str | None:
         return None
     for container in (pod.get("spec") or {}).get("containers") or []:
         for port in container.get("ports") or []:
-            if port.get("name") == "http" and port.get("containerPort"):
+            if port.get("name") == HTTP_PORT and port.get("containerPort"):
                 host = f"[{ip}]" if ":" in ip else ip
                 return f"http://{host}:{int(port['containerPort'])}/metrics"
     return None
@@ -144,7 +142,7 @@ class Autoscaler:
         dry_run = spec.mode == "DryRun"
         before = dict(body.get("status") or {})
         used = [t for _, t in memory.samples.values()]
-        sample_time = _rfc3339(min(used)) if used and decision.metrics_available else None
+        sample_time = rfc3339(min(used)) if used and decision.metrics_available else None
         status = autoscaling_status(
             before,
             decision,
@@ -254,8 +252,9 @@ def interval_seconds(body: dict[str, Any]) -> float | None:
     autoscaling = spec.get("autoscaling")
     if not isinstance(autoscaling, dict) or spec.get("suspend"):
         return None
+    default = AutoscalingSpec.model_fields["interval_seconds"].default
     try:
-        return float(autoscaling.get("intervalSeconds", 15))
+        return float(autoscaling.get("intervalSeconds", default))
     except (TypeError, ValueError):
         return None
 

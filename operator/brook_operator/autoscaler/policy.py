@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from brook_operator.api.autoscaling import AutoscalingSpec
 
@@ -95,21 +95,22 @@ class ReplicaSignals:
 
 @dataclass(frozen=True)
 class Policy:
-    """The numbers ``decide`` works with (seconds and ratios), from an ``AutoscalingSpec``."""
+    """The numbers ``decide`` works with (seconds and ratios): the fields of the same names
+    of an ``AutoscalingSpec`` (``from_spec``; the spec holds the defaults)."""
 
-    min_replicas: int = 1
-    max_replicas: int = 10
-    target_kv_cache_usage: float = 0.75
-    target_waiting_requests: float = 8.0
-    min_overlap_ratio: float = 0.7
-    tolerance: float = 0.1
-    scale_up_stabilization_seconds: float = 0.0
-    scale_down_stabilization_seconds: float = 300.0
-    max_scale_up_step: int = 4
-    max_scale_down_step: int = 1
-    startup_grace_seconds: float = 600.0
-    metrics_stale_after_seconds: float = 60.0
-    fallback_replicas: int | None = None
+    min_replicas: int
+    max_replicas: int
+    target_kv_cache_usage: float
+    target_waiting_requests: float
+    min_overlap_ratio: float
+    tolerance: float
+    scale_up_stabilization_seconds: float
+    scale_down_stabilization_seconds: float
+    max_scale_up_step: int
+    max_scale_down_step: int
+    startup_grace_seconds: float
+    metrics_stale_after_seconds: float
+    fallback_replicas: int | None
     max_num_seqs: int | None = None
     """Batch slots per replica (``scheduler.maxNumSeqs``); None: KV usage alone."""
 
@@ -131,21 +132,10 @@ class Policy:
         signals: frozenset[str] = SIGNALS,
         max_num_seqs: int | None = None,
     ) -> Policy:
+        spec_fields = {f.name for f in fields(cls)} - {"max_num_seqs", "signals"}
         return cls(
+            **{name: getattr(spec, name) for name in spec_fields},
             max_num_seqs=max_num_seqs,
-            min_replicas=spec.min_replicas,
-            max_replicas=spec.max_replicas,
-            target_kv_cache_usage=spec.target_kv_cache_usage,
-            target_waiting_requests=spec.target_waiting_requests,
-            min_overlap_ratio=spec.min_overlap_ratio,
-            tolerance=spec.tolerance,
-            scale_up_stabilization_seconds=spec.scale_up_stabilization_seconds,
-            scale_down_stabilization_seconds=spec.scale_down_stabilization_seconds,
-            max_scale_up_step=spec.max_scale_up_step,
-            max_scale_down_step=spec.max_scale_down_step,
-            startup_grace_seconds=spec.startup_grace_seconds,
-            metrics_stale_after_seconds=spec.metrics_stale_after_seconds,
-            fallback_replicas=spec.fallback_replicas,
             signals=signals,
         )
 
@@ -299,7 +289,6 @@ def decide(
     per_replica = total_waiting / capacity
     queue_high = per_replica > w_target * (1 + band)
     if "kv" in policy.signals:
-        kv_rec = _ceil(total / target)
         overlap = reported.overlap_ratio
         underfed = (
             "overlap" in policy.signals
@@ -318,21 +307,17 @@ def decide(
                 f"{what} {total / capacity:.2f} < target {target:.2f}, consolidate to "
                 f"{recs['kv']}"
             )
-        elif usage > 1.0 + band:
-            recs["kv"] = kv_rec
+        elif abs(usage - 1.0) > band:
+            if usage > 1.0:
+                recs["kv"] = _ceil(total / target)
+            else:
+                # Usage grows faster than the load per replica (a fuller batch steps slower,
+                # so each request holds its blocks and slot longer): project the survivors'
+                # usage as growing with the square of their share of the load.
+                recs["kv"] = min(current, _ceil(capacity * math.sqrt(usage)))
             notes.append(
                 f"{what} {total / capacity:.2f} vs target {target:.2f}±{band:.0%} over "
-                f"{capacity}: {kv_rec}"
-            )
-        elif usage < 1.0 - band:
-            # Usage grows faster than the load per replica (a fuller batch steps slower, so
-            # each request holds its blocks and slot longer): project the survivors' usage
-            # as growing with the square of their share of the load.
-            kv_rec = min(current, _ceil(capacity * math.sqrt(usage)))
-            recs["kv"] = kv_rec
-            notes.append(
-                f"{what} {total / capacity:.2f} vs target {target:.2f}±{band:.0%} over "
-                f"{capacity}: {kv_rec}"
+                f"{capacity}: {recs['kv']}"
             )
         else:
             recs["kv"] = current

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from brook_operator.autoscaler.policy import Decision
-from brook_operator.controller.status import make_condition
+from brook_operator.controller.status import conditions_by_type, make_condition
 
 #: Decisions kept in status (the CRD's bound).
 KEPT_DECISIONS = 10
@@ -35,7 +35,7 @@ def autoscaling_status(
 ) -> dict[str, Any]:
     """The status fields the autoscaler owns after ``decision`` (a merge patch)."""
     previous_status = previous_status or {}
-    previous = {c["type"]: c for c in previous_status.get("conditions") or [] if "type" in c}
+    previous = conditions_by_type(previous_status)
     aggregate = decision.aggregate
     signals = {
         "kvCacheUsage": _round(aggregate.kv_cache_usage),

@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 import logging
-from datetime import UTC, datetime
 from typing import Any
 
+from brook_operator.controller.status import conditions_by_type, rfc3339
 from brook_operator.kube import KubeClient, KubeError
 
 log = logging.getLogger(__name__)
@@ -16,16 +16,12 @@ COMPONENT = "brook-operator"
 _BAD_WHEN_TRUE = {"Degraded"}
 
 
-def _conditions(status: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
-    return {c["type"]: c for c in (status or {}).get("conditions") or [] if "type" in c}
-
-
 def transitions(before: dict[str, Any] | None, after: dict[str, Any]) -> list[tuple[str, str, str]]:
     """(type Normal|Warning, reason, message) for each condition whose status changed; a
     condition seen for the first time counts as a change unless it is merely Progressing."""
-    old = _conditions(before)
+    old = conditions_by_type(before)
     out = []
-    for kind, condition in _conditions(after).items():
+    for kind, condition in conditions_by_type(after).items():
         previous = old.get(kind)
         if previous is not None and previous.get("status") == condition["status"]:
             continue
@@ -48,7 +44,7 @@ def post_event(
     """Post one Event on ``body``. Best effort: a failure is logged, never raised."""
     metadata = body.get("metadata") or {}
     namespace = metadata.get("namespace") or "default"
-    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    now = rfc3339()
     event = {
         "apiVersion": "v1",
         "kind": "Event",

@@ -58,15 +58,26 @@ def make_condition(
     }
 
 
+def conditions_by_type(status: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """A status's conditions keyed by type (entries without one are skipped)."""
+    return {c["type"]: c for c in (status or {}).get("conditions") or [] if "type" in c}
+
+
+def rfc3339(timestamp: float | None = None) -> str:
+    """``timestamp`` (seconds since the epoch; now when None) as Kubernetes writes times."""
+    moment = datetime.now(UTC) if timestamp is None else datetime.fromtimestamp(timestamp, UTC)
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def now_rfc3339() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return rfc3339()
 
 
 def invalid_status(body: dict[str, Any], message: str, now: str | None = None) -> dict[str, Any]:
     """Status of a resource whose spec the operator cannot run."""
     now = now or now_rfc3339()
     status = body.get("status") or {}
-    previous = {c["type"]: c for c in status.get("conditions") or [] if "type" in c}
+    previous = conditions_by_type(status)
     generation = (body.get("metadata") or {}).get("generation")
     conditions = [
         make_condition(previous, "SpecValid", False, "InvalidSpec", message, generation, now),
@@ -87,9 +98,7 @@ def compute_status(
     """The status fields the operator owns (the autoscaler's stay as they are)."""
     now = now or now_rfc3339()
     generation = llmi.metadata.generation
-    previous = {
-        c["type"]: c for c in (previous_status or {}).get("conditions") or [] if "type" in c
-    }
+    previous = conditions_by_type(previous_status)
     workload = observed.workload or {}
     wstatus = workload.get("status") or {}
     desired = observed.desired_replicas

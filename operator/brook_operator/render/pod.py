@@ -15,6 +15,9 @@ from brook_operator.render.settings import RENDEZVOUS_PORT, OperatorSettings
 
 CONFIG_DIR = "/etc/brook"
 ENGINE_CONTAINER = "engine"
+#: Name of the engine container's API port (probes, the Service and the autoscaler's
+#: scrape find it by this name).
+HTTP_PORT = "http"
 #: LeaderWorkerSet's label holding a pod's index inside its group (0 = the leader), and the
 #: env var it injects with the leader's address.
 LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
@@ -89,17 +92,17 @@ def _probes() -> dict[str, Any]:
     return {
         # Loading a large checkpoint takes minutes: up to an hour before liveness applies.
         "startupProbe": {
-            "httpGet": {"path": "/health", "port": "http"},
+            "httpGet": {"path": "/health", "port": HTTP_PORT},
             "periodSeconds": 10,
             "failureThreshold": 360,
         },
         "readinessProbe": {
-            "httpGet": {"path": "/ready", "port": "http"},
+            "httpGet": {"path": "/ready", "port": HTTP_PORT},
             "periodSeconds": 5,
             "failureThreshold": 3,
         },
         "livenessProbe": {
-            "httpGet": {"path": "/health", "port": "http"},
+            "httpGet": {"path": "/health", "port": HTTP_PORT},
             "periodSeconds": 10,
             "timeoutSeconds": 5,
             "failureThreshold": 6,
@@ -149,7 +152,7 @@ def pod_template(llmi: LLMInference, settings: OperatorSettings, role: Role) -> 
         "image": spec.image or settings.engine_image,
         "command": ["brook-engine", "serve", "--config", f"{CONFIG_DIR}/{ENGINE_CONFIG_FILE}"],
         "ports": [
-            {"name": "http", "containerPort": port, "protocol": "TCP"},
+            {"name": HTTP_PORT, "containerPort": port, "protocol": "TCP"},
             {"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"},
         ],
         "env": _env(llmi, multi_pod),

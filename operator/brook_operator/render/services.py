@@ -7,6 +7,7 @@ from typing import Any
 
 from brook_operator.api import LLMInference
 from brook_operator.render.labels import ROLE_LABEL, child_labels, selector_labels
+from brook_operator.render.pod import HTTP_PORT
 
 
 def _metadata(llmi: LLMInference, name: str) -> dict[str, Any]:
@@ -26,7 +27,7 @@ def api_service(llmi: LLMInference) -> dict[str, Any]:
             "type": "ClusterIP",
             "selector": {**selector_labels(llmi), ROLE_LABEL: "leader"},
             "ports": [
-                {"name": "http", "port": llmi.spec.server.port, "targetPort": "http"},
+                {"name": HTTP_PORT, "port": llmi.spec.server.port, "targetPort": HTTP_PORT},
             ],
         },
     }

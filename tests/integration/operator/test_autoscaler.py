@@ -19,9 +19,11 @@ from typing import Any
 import pytest
 
 from brook_operator.autoscaler.loop import DELETION_COST
-from support.engine_server import ServerProcess, free_port, start_server
+from support.engine_pods import add_ready_pod, replica_owner
+from support.engine_server import ServerProcess, start_server
 from support.kube_api import KubeApi
 from support.operator_process import OperatorProcess
+from support.ports import free_port
 from support.rbac_usage import record_rbac
 
 NAMESPACE = "ai"
@@ -30,13 +32,7 @@ NAME = "tiny-auto"
 ADDRESSES = ("127.0.0.2", "127.0.0.3")
 TIMEOUT = 90.0
 #: The ReplicaSet the pods would belong to (the autoscaler only reads a workload's pods).
-REPLICA_SET = {
-    "apiVersion": "apps/v1",
-    "kind": "ReplicaSet",
-    "name": f"{NAME}-5d8f7",
-    "uid": "00000000-0000-4000-8000-000000000001",
-    "controller": True,
-}
+REPLICA_SET = replica_owner("ReplicaSet", f"{NAME}-5d8f7", "00000000-0000-4000-8000-000000000001")
 
 AUTOSCALING = {
     "minReplicas": 1,
@@ -98,38 +94,9 @@ class Fleet:
     def add_pod(self, address: str) -> str:
         deployment = self.api.get("deployments", NAME, NAMESPACE)
         assert deployment is not None
-        template = deployment["spec"]["template"]
         name = f"{NAME}-{address.rsplit('.', 1)[1]}"
-        containers = [
-            {
-                "name": "engine",
-                "image": template["spec"]["containers"][0]["image"],
-                "ports": [{"name": "http", "containerPort": self.port}],
-            }
-        ]
-        self.api.create(
-            {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {
-                    "name": name,
-                    "namespace": NAMESPACE,
-                    "labels": template["metadata"]["labels"],
-                    "ownerReferences": [REPLICA_SET],
-                },
-                "spec": {"containers": containers},
-            }
-        )
-        self.api.set_status(
-            "pods",
-            name,
-            {
-                "phase": "Running",
-                "podIP": address,
-                "conditions": [{"type": "Ready", "status": "True"}],
-            },
-            NAMESPACE,
-        )
+        template = deployment["spec"]["template"]
+        add_ready_pod(self.api, NAMESPACE, name, template, address, self.port, owner=REPLICA_SET)
         self.pods[name] = address
         self._mark_ready()
         return name

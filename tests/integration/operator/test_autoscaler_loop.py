@@ -16,8 +16,9 @@ import pytest
 from brook_operator.autoscaler.loop import Autoscaler
 from brook_operator.controller import Reconciler
 from brook_operator.kube import KubeClient
-from support.engine_server import free_port
+from support.engine_pods import add_ready_pod, replica_owner
 from support.kube_api import KubeApi, leaderworkerset_crd
+from support.ports import free_port
 
 NAMESPACE = "ai"
 NAME = "canned"
@@ -76,37 +77,17 @@ def _llmi(mode: str) -> dict[str, Any]:
     }
 
 
-REPLICA_SET = {
-    "apiVersion": "apps/v1",
-    "kind": "ReplicaSet",
-    "name": f"{NAME}-5d8f7",
-    "uid": "00000000-0000-4000-8000-000000000002",
-    "controller": True,
-}
+REPLICA_SET = replica_owner("ReplicaSet", f"{NAME}-5d8f7", "00000000-0000-4000-8000-000000000002")
 
 
 def _add_pod(
     api: KubeApi, name: str, port: int, owned: bool = True, host_network: bool = False
 ) -> None:
-    labels = api.get("deployments", NAME, NAMESPACE)["spec"]["template"]["metadata"]["labels"]
-    metadata: dict[str, Any] = {"name": name, "namespace": NAMESPACE, "labels": labels}
-    if owned:
-        metadata["ownerReferences"] = [REPLICA_SET]
-    api.create(
-        {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": metadata,
-            "spec": {
-                "hostNetwork": host_network,
-                "containers": [
-                    {"name": "engine", "ports": [{"name": "http", "containerPort": port}]}
-                ],
-            },
-        }
+    template = api.get("deployments", NAME, NAMESPACE)["spec"]["template"]
+    owner = REPLICA_SET if owned else None
+    add_ready_pod(
+        api, NAMESPACE, name, template, ADDRESS, port, owner=owner, host_network=host_network
     )
-    status = {"podIP": ADDRESS, "conditions": [{"type": "Ready", "status": "True"}]}
-    api.set_status("pods", name, status, NAMESPACE)
 
 
 def _body(api: KubeApi) -> dict[str, Any]:
@@ -183,6 +164,8 @@ def test_dry_run_then_active_then_a_restart_keeps_the_window(
 
 
 def _two_replicas(api: KubeApi, port: int) -> Reconciler:
+    """An Active resource at 2 replicas with windows of 0 and two Ready pods."""
+    api.create_namespace(NAMESPACE)
     manifest = _llmi("Active")
     manifest["spec"]["autoscaling"].update(
         {"scaleDownStabilizationSeconds": 0, "startupGraceSeconds": 0}
@@ -201,7 +184,6 @@ def test_a_refused_deletion_cost_does_not_stop_the_scale_in(
     kube_api: KubeApi, brook_crd: dict[str, Any], exposition: Exposition
 ) -> None:
     api = kube_api
-    api.create_namespace(NAMESPACE)
     reconciler = _two_replicas(api, exposition.port)
     api.handler[kmock.method.PATCH, kmock.resource("", "v1", "pods")] << 403
     decision = Autoscaler(reconciler, clock=lambda: 1_000.0).run_once(_body(api))
@@ -214,7 +196,6 @@ def test_a_failed_resize_posts_no_scaled_event(
     kube_api: KubeApi, brook_crd: dict[str, Any], exposition: Exposition
 ) -> None:
     api = kube_api
-    api.create_namespace(NAMESPACE)
     reconciler = _two_replicas(api, exposition.port)
     exposition.kv = 1.0
     api.handler[kmock.method.PATCH, kmock.resource("apps", "v1", "deployments")] << 500
@@ -246,30 +227,9 @@ def test_a_multi_pod_replica_is_read_at_its_leader(
     lws = api.get("leaderworkersets", NAME, NAMESPACE)
     assert lws is not None and lws["spec"]["replicas"] == 1
     group = lws["spec"]["leaderWorkerTemplate"]
-    owner = {**REPLICA_SET, "kind": "StatefulSet", "name": NAME}
+    owner = replica_owner("StatefulSet", NAME, "00000000-0000-4000-8000-000000000003")
     for name, template in (("g0", group["leaderTemplate"]), ("g0-1", group["workerTemplate"])):
-        api.create(
-            {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {
-                    "name": name,
-                    "namespace": NAMESPACE,
-                    "labels": template["metadata"]["labels"],
-                    "ownerReferences": [owner],
-                },
-                "spec": {
-                    "containers": [
-                        {
-                            "name": "engine",
-                            "ports": [{"name": "http", "containerPort": exposition.port}],
-                        }
-                    ]
-                },
-            }
-        )
-        ready = {"podIP": ADDRESS, "conditions": [{"type": "Ready", "status": "True"}]}
-        api.set_status("pods", name, ready, NAMESPACE)
+        add_ready_pod(api, NAMESPACE, name, template, ADDRESS, exposition.port, owner=owner)
 
     exposition.kv = 0.95
     decision = Autoscaler(reconciler).run_once(_body(api))

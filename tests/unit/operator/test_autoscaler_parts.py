@@ -3,6 +3,7 @@ metrics address, and the status it writes."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -11,11 +12,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 from brook_engine.metrics.prometheus import EngineMetrics
 from brook_engine.metrics.stats import EngineStats
 from brook_operator.autoscaler.loop import interval_seconds, metrics_url
-from brook_operator.autoscaler.policy import Policy, decide
+from brook_operator.autoscaler.policy import decide
 from brook_operator.autoscaler.scrape import ScrapeError, parse_metrics
 from brook_operator.autoscaler.status import KEPT_DECISIONS, autoscaling_status
 
-from .test_autoscaler_policy import fleet
+from .test_autoscaler_policy import BASE, fleet
 
 
 def _exposition(kv: float, waiting: int, overlap: float) -> str:
@@ -94,7 +95,7 @@ def _conditions(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def test_status_records_changes_keeps_ten_and_sets_conditions() -> None:
-    policy = Policy(max_replicas=3)
+    policy = replace(BASE, max_replicas=3)
     previous: dict[str, Any] = {
         "conditions": [{"type": "Ready", "status": "True", "reason": "ReplicasReady"}]
     }
@@ -121,7 +122,7 @@ def test_status_records_changes_keeps_ten_and_sets_conditions() -> None:
 
 
 def test_dry_run_records_without_changing_desired_replicas() -> None:
-    decision = decide(fleet(2, kv=0.95), 2, Policy(), [], 0.0)
+    decision = decide(fleet(2, kv=0.95), 2, BASE, [], 0.0)
     assert decision.desired == 3
     status = autoscaling_status({}, decision, 2, "t0", 1, dry_run=True)
     assert status["desiredReplicas"] == 2
@@ -130,7 +131,7 @@ def test_dry_run_records_without_changing_desired_replicas() -> None:
 
 
 def test_stale_status() -> None:
-    decision = decide(fleet(2, kv=0.1, sample_age=300.0), 2, Policy(), [], 0.0)
+    decision = decide(fleet(2, kv=0.1, sample_age=300.0), 2, BASE, [], 0.0)
     status = autoscaling_status({}, decision, 2, "t0", 1, dry_run=False)
     conditions = _conditions(status)
     assert conditions["MetricsAvailable"]["status"] == "False"

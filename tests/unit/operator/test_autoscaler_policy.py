@@ -17,7 +17,7 @@ from brook_operator.autoscaler.policy import (
 )
 
 NOW = 10_000.0
-BASE = Policy(min_replicas=1, max_replicas=10)
+BASE = Policy.from_spec(AutoscalingSpec(min_replicas=1, max_replicas=10))
 
 
 def fleet(
@@ -417,6 +417,6 @@ def test_policy_from_spec_and_bad_signals() -> None:
     assert (policy.min_replicas, policy.max_replicas) == (2, 7)
     assert (policy.target_kv_cache_usage, policy.tolerance) == (0.6, 0.05)
     with pytest.raises(ValueError, match="subset"):
-        Policy(signals=frozenset({"overlap"}))
+        replace(BASE, signals=frozenset({"overlap"}))
     with pytest.raises(ValueError, match="subset"):
-        Policy(signals=frozenset({"kv", "latency"}))
+        replace(BASE, signals=frozenset({"kv", "latency"}))
