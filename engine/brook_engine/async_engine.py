@@ -25,6 +25,7 @@ from typing import Any
 from brook_engine.llm_engine import LLMEngine
 from brook_engine.metrics.prometheus import EngineMetrics
 from brook_engine.outputs import RequestOutput
+from brook_engine.parallel.comm import ParallelGroupError
 from brook_engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -80,9 +81,19 @@ class OutputStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None) -> None:
+    #: Idle seconds between heartbeats to the replica's other ranks.
+    HEARTBEAT_SECONDS = 1.0
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        metrics: EngineMetrics | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
+    ) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.on_fatal = on_fatal
+        self.fatal: BaseException | None = None
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -93,17 +104,20 @@ class AsyncEngine:
 
     @classmethod
     async def launch(
-        cls, build: Callable[[], tuple[LLMEngine, EngineMetrics | None]]
+        cls,
+        build: Callable[[], tuple[LLMEngine, EngineMetrics | None]],
+        on_fatal: Callable[[BaseException], None] | None = None,
     ) -> AsyncEngine:
         """Run ``build`` (load, warm up, make the metrics) on a new engine thread, which then
-        serves. Raises what ``build`` raised."""
+        serves. Raises what ``build`` raised. ``on_fatal`` is called (on the event loop) if
+        the engine later stops for good: a rank of its replica failed."""
         loop = asyncio.get_running_loop()
         built: asyncio.Future[AsyncEngine] = loop.create_future()
 
         def main() -> None:
             try:
                 engine, metrics = build()
-                self = cls(engine, metrics)
+                self = cls(engine, metrics, on_fatal)
                 self._loop = loop
                 self._thread = threading.current_thread()
                 self._record()
@@ -171,13 +185,33 @@ class AsyncEngine:
     # -- the engine thread ---------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except ParallelGroupError as exc:
+            # The replica lost a rank: nothing more can run. End every request, say why,
+            # and let the server exit non-zero (its /ready and /health fail meanwhile).
+            log.error("the replica failed: %s", exc)
+            self.fatal = exc
+            self._stopped = True
+            self._fail_all(EngineStoppedError(f"the engine's replica failed: {exc}"))
+            self._record()
+            if self.on_fatal is not None:
+                self._call_soon(self.on_fatal, exc)
+        finally:
+            self.engine.shutdown()
+
+    def _serve(self) -> None:
         engine = self.engine
+        heartbeat = self.HEARTBEAT_SECONDS if engine.is_distributed else None
         while True:
             busy = engine.has_unfinished_requests()
             try:
-                command = self._commands.get(block=not busy)
+                command = self._commands.get(block=not busy, timeout=None if busy else heartbeat)
             except queue.Empty:
                 command = None
+                if not busy and heartbeat is not None:
+                    engine.heartbeat()
+                    continue
             stop = False
             while command is not None:
                 stop = self._handle(*command) or stop
@@ -190,8 +224,11 @@ class AsyncEngine:
                 self._record()
                 return
             if engine.has_unfinished_requests():
+                engine.check_workers()
                 try:
                     outputs = engine.step()
+                except ParallelGroupError:
+                    raise
                 except Exception as exc:
                     log.exception("engine step failed; ending the requests it held")
                     self._fail_all(EngineStepError(f"the engine failed a step: {exc}"))

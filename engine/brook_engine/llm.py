@@ -76,6 +76,17 @@ class LLM:
         self.engine = LLMEngine(engine_config_from_options(model, options), progress=progress)
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the worker processes of a tensor- or pipeline-parallel engine (also done at
+        interpreter exit); a no-op for a single-process one."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer

@@ -6,12 +6,16 @@ Used by the offline ``LLM`` API and the HTTP server alike; not thread-safe (one 
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
+import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -23,6 +27,9 @@ from brook_engine.metrics.stats import EngineStats, FinishedRequestStats
 from brook_engine.model_runner import ModelRunner
 from brook_engine.models.arch import ModelArch
 from brook_engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from brook_engine.parallel.comm import Communicator
+from brook_engine.parallel.launch import GroupSpec, LocalWorkers
+from brook_engine.parallel.topology import Topology
 from brook_engine.prefix_cache import PrefixCache
 from brook_engine.sampling_params import SamplingParams
 from brook_engine.scheduler import Scheduler
@@ -51,6 +58,31 @@ def resolve_model_folder(model: ModelConfig) -> Path:
     return folder
 
 
+def _join_watching(join: Callable[[], Communicator], workers: LocalWorkers) -> Communicator:
+    """Run the rendezvous while watching this host's workers: one that dies before it
+    joins fails the start at once instead of after the rendezvous timeout."""
+    box: list[Communicator | BaseException] = []
+    thread = threading.Thread(
+        target=lambda: box.append(_capture(join)), name="brook-rendezvous", daemon=True
+    )
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.2)
+        if thread.is_alive():
+            workers.check()
+    result = box[0]
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+def _capture(call: Callable[[], Communicator]) -> Communicator | BaseException:
+    try:
+        return call()
+    except BaseException as exc:  # handed to the waiting thread
+        return exc
+
+
 @dataclass
 class _Request:
     seq: Sequence
@@ -62,11 +94,6 @@ class _Request:
 def check_supported(config: EngineConfig) -> None:
     """Refuse settings this engine build cannot honour yet, rather than ignore them."""
     problems = []
-    if config.parallel.world_size > 1:
-        problems.append(
-            f"parallel.tensor × parallel.pipeline = {config.parallel.world_size}: multi-device "
-            "replicas are not available in this build; use tensor: 1, pipeline: 1"
-        )
     if config.offload.policy != "none":
         problems.append("offload.policy: weight offload is not available yet; use none")
     if config.quantization.weights != "none":
@@ -78,13 +105,62 @@ def check_supported(config: EngineConfig) -> None:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, progress: bool = True) -> None:
+    def __init__(
+        self, config: EngineConfig, progress: bool = True, group: GroupSpec | None = None
+    ) -> None:
+        """Load the model. With ``parallel.tensor × parallel.pipeline > 1`` this process is
+        rank 0 of the replica: it starts a worker process for each other device of this
+        host (all of them without ``group``; the pod's share of a multi-pod replica with
+        it) and waits for every rank to join."""
         self.config = config
         check_supported(config)
         folder = resolve_model_folder(config.model)
         self.arch = ModelArch.from_folder(folder)
         config.check_against_model(self.arch.facts)
         self.backend = resolve_backend(config.device)
+        self.workers: LocalWorkers | None = None
+        comm: Communicator | None = None
+        if config.parallel.world_size > 1:
+            comm = self._start_group(group or GroupSpec.local(config))
+        try:
+            self._load(config, folder, progress, comm)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start_group(self, spec: GroupSpec) -> Communicator:
+        if spec.pod_rank != 0:
+            raise ConfigError("only the replica's first pod (BROOK_POD_RANK 0) runs the engine")
+        if self.backend.kind == "cpu":  # share this host's cores among its ranks
+            torch.set_num_threads(max(1, torch.get_num_threads() // spec.devices_per_pod))
+        self.workers = LocalWorkers(self.config, spec, list(spec.local_ranks)[1:])
+        atexit.register(self.shutdown)
+        par = self.config.parallel
+        log.info(
+            "replica of %d ranks (tensor %d × pipeline %d), %d on this host; rendezvous at %s:%d",
+            par.world_size,
+            par.tensor,
+            par.pipeline,
+            spec.devices_per_pod,
+            spec.rendezvous.host,
+            spec.rendezvous.port,
+        )
+        topology = Topology(par.tensor, par.pipeline, 0)
+        try:
+            self.comm = _join_watching(
+                lambda: Communicator(topology, self.backend.dist_backend, spec.rendezvous),
+                self.workers,
+            )
+        except BaseException:
+            self.workers.stop()
+            raise
+        return self.comm
+
+    comm: Communicator | None = None
+
+    def _load(
+        self, config: EngineConfig, folder: Path, progress: bool, comm: Communicator | None
+    ) -> None:
         tokenizer_folder = Path(config.model.tokenizer) if config.model.tokenizer else folder
         self.tokenizer = Tokenizer(tokenizer_folder)
         self.served_name = config.model.served_name or folder.name
@@ -95,7 +171,7 @@ class LLMEngine:
             else None
         )
         self.runner = ModelRunner(
-            config, folder, self.arch, self.backend, progress, calibration_ids
+            config, folder, self.arch, self.backend, progress, calibration_ids, comm
         )
         self.max_model_len = self.runner.max_model_len
         sharing = config.kv_cache.prefix_sharing
@@ -139,6 +215,38 @@ class LLMEngine:
         if token is not None:
             ids.add(token)
         return frozenset(ids)
+
+    # -- the replica's other ranks ----------------------------------------------------------
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.comm is not None
+
+    def heartbeat(self) -> None:
+        """Idle: check the local workers and tell every rank the replica lives. Raises
+        ``ParallelGroupError`` when a rank is gone."""
+        self.check_workers()
+        self.runner.heartbeat()
+
+    def check_workers(self) -> None:
+        if self.workers is not None:
+            self.workers.check()
+
+    def shutdown(self) -> None:
+        """Stop the other ranks and leave the group (a no-op for a single process)."""
+        if self.comm is None:
+            return
+        runner = getattr(self, "runner", None)
+        if self.workers is not None:
+            self.workers.stopping = True
+        if runner is not None:
+            runner.shutdown()
+        else:
+            self.comm.close()
+        if self.workers is not None:
+            self.workers.stop()
+        self.comm = None
+        atexit.unregister(self.shutdown)
 
     # -- requests ------------------------------------------------------------------------
 
@@ -227,11 +335,26 @@ class LLMEngine:
             prefix_cache_evictions_total=cache.num_evictions if cache else 0,
             num_cached_blocks=self.block_manager.num_cached_blocks,
             kv_bytes_per_token=runner.kv_bytes_per_token,
-            kv_layer_dtypes=tuple(runner.layer_kinds),
-            kv_calibration_errors=tuple(runner.calibration.errors) if runner.calibration else (),
+            kv_layer_dtypes=tuple(runner.replica_layer_kinds),
+            kv_calibration_errors=tuple(runner.replica_calibration_errors),
             kv_used_bytes=runner.kv_bytes_by_dtype(self.block_manager.num_used_blocks),
             memory_bytes=runner.memory_bytes(),
+            **self._parallel_stats(),
         )
+
+    def _parallel_stats(self) -> dict[str, Any]:
+        runner = self.runner
+        if runner.comm is None:
+            return {}
+        totals, window, topo = runner.replica_counters, runner.window, runner.topology
+        return {
+            "comm_compute_overlap": window.overlap,
+            "comm_seconds_total": dict(totals.by_kind),
+            "comm_exposed_seconds_total": totals.comm_exposed,
+            "pipeline_bubble": window.bubble(topo.world_size),
+            "stage_compute_seconds_total": tuple(c / topo.tensor for c in totals.stage_compute),
+            "micro_batches": runner.micro_batches.micro_batches,
+        }
 
     def estimate_memory(self, seq_len: int, batch: int) -> dict[str, int]:
         """Bytes ``batch`` sequences of ``seq_len`` tokens take on the device under this

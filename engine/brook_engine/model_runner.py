@@ -1,26 +1,40 @@
 """Loads the model and its KV cache onto the device and runs one scheduled batch per step:
-flatten the batch into token, position and slot tensors, run the decoder, sample."""
+flatten the batch into token, position and slot tensors, run the decoder, sample.
+
+The same runner runs on every rank of a tensor- or pipeline-parallel replica. Rank 0 turns
+the scheduled batch into a step plan and sends it to the others; every rank then runs its
+stage over the plan's micro-batches (receiving activations from the stage before, sending
+them on asynchronously while it computes the next micro-batch), and the last stage samples
+and sends the tokens back to rank 0. A single-process engine is the same code with one rank
+and no communication."""
 
 from __future__ import annotations
 
 import functools
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from brook_engine.config import EngineConfig
+from brook_engine.config import EngineConfig, KVDType
 from brook_engine.device import Backend
 from brook_engine.kv_cache import LayerKVCache, bytes_per_token
 from brook_engine.kv_calibration import Calibration, decide, summarize
 from brook_engine.layers.attention import AttentionMetadata, PrefillSpan
+from brook_engine.layers.parallel import Shard
 from brook_engine.layers.rotary import RotaryEmbedding
-from brook_engine.layers.sampler import SampleResult, sample
+from brook_engine.layers.sampler import SampleResult
+from brook_engine.layers.sampler import sample as sample_tokens
 from brook_engine.models.arch import ModelArch
 from brook_engine.models.llama import CausalLM
 from brook_engine.models.loader import load_weights
+from brook_engine.parallel.comm import Communicator, Pending
+from brook_engine.parallel.overlap import Adaptation, Counters
+from brook_engine.parallel.plan import SeqChunk, StepPlan, split_micro_batches
+from brook_engine.parallel.topology import Topology, split_layers, stage_bounds
 from brook_engine.sampling_params import SamplingParams
 from brook_engine.scheduler import ScheduledBatch
 from brook_engine.sequence import Sequence
@@ -28,6 +42,37 @@ from brook_engine.sequence import Sequence
 log = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+#: Overlap counters are summed at rank 0 every this many steps (one small collective).
+REPORT_EVERY_STEPS = 8
+
+
+def stage_layer_counts(config: EngineConfig, arch: ModelArch) -> list[int]:
+    """Layers per pipeline stage: as configured, else balanced by cost, the LM head (and
+    sampling) counted against the last stage in units of one decoder layer."""
+    par = config.parallel
+    if par.stage_layers is not None:
+        return list(par.stage_layers)
+    h, i = arch.hidden_size, arch.intermediate_size
+    layer = h * (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
+    layer += arch.num_heads * arch.head_dim * h + 3 * h * i
+    head = h * arch.vocab_size
+    return split_layers(arch.num_layers, par.pipeline, 1.0, 0.0, head / layer)
+
+
+@dataclass
+class _Prepared:
+    chunks: list[SeqChunk]
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    last_rows: torch.Tensor
+    samplers: list[int]  # indexes into ``chunks`` that sample
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
 
 
 class ModelRunner:
@@ -39,26 +84,41 @@ class ModelRunner:
         backend: Backend,
         progress: bool,
         calibration_ids: list[int] | None = None,
+        comm: Communicator | None = None,
     ) -> None:
         self.config = config
         self.arch = arch
         self.backend = backend
         self.device = backend.device
+        self.comm = comm
+        self.topology = comm.topology if comm is not None else Topology.single()
+        topo = self.topology
         dtype_name = config.model.dtype
         self.dtype = backend.default_dtype() if dtype_name == "auto" else _DTYPES[dtype_name]
         self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
         self.block_size = config.kv_cache.block_size
 
+        self.stage_layers = stage_layer_counts(config, arch)
+        self.layer_start, self.layer_end = stage_bounds(self.stage_layers, topo.stage)
+        self.shard = Shard(
+            topo.tp_rank,
+            topo.tensor,
+            self.layer_start,
+            self.layer_end,
+            topo.is_first_stage,
+            topo.is_last_stage,
+        )
         started = time.perf_counter()
         with torch.device("meta"):
-            model = CausalLM(arch, self.dtype)
+            model = CausalLM(arch, self.dtype, self.shard, comm)
         model.to_empty(device=self.device)
-        if arch.tie_word_embeddings:  # to_empty gives each use of a shared tensor its own copy
-            model.lm_head.weight = model.model.embed_tokens.weight
-        load_weights(model, folder, progress=progress)
+        model.tie_embeddings()
+        load_weights(model, folder, progress=progress and topo.is_driver)
         self.model = model.eval()
         self.load_seconds = time.perf_counter() - started
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        kv_start, kv_end = self.shard.kv_heads(arch.num_heads, arch.num_kv_heads)
+        self.num_kv_heads = kv_end - kv_start  # this rank's
 
         self.rotary = RotaryEmbedding(
             arch.head_dim,
@@ -69,19 +129,34 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
-        self.layer_kinds = config.kv_cache.layer_dtypes(arch.num_layers)
+        policy = config.kv_cache.layer_dtypes(arch.num_layers)
+        self.layer_kinds: list[KVDType] = policy[self.layer_start : self.layer_end]
         self.calibration: Calibration | None = None
+        # Micro-batches only pay off between pipeline stages; a single stage runs whole steps.
+        start = config.parallel.micro_batches or (2 * topo.pipeline if topo.pipeline > 1 else 1)
+        self.micro_batches = Adaptation(start, config.parallel.micro_batches or 8 * topo.pipeline)
+        self._released: list[str] = []
+        self._steps = 0
+        self._reported = Counters()
+        # Rank 0: summed over the ranks at the last report, and the window before it.
+        self.replica_counters = Counters(stage_compute=[0.0] * topo.pipeline)
+        self.window = Counters(stage_compute=[0.0] * topo.pipeline)
         dynamic = config.kv_cache.dynamic_precision
+        if comm is not None and dynamic.enabled:
+            calibration_ids = comm.broadcast_object(calibration_ids)
         if dynamic.enabled and calibration_ids:
             self.calibration = self._calibrate(calibration_ids)
             self.layer_kinds = self.calibration.chosen
-            log.info("%s", summarize(self.calibration))
+            if topo.world_size == 1:
+                log.info("%s", summarize(self.calibration))
         self.num_blocks = self._num_blocks()
+        if comm is not None:  # every rank must hold the same blocks
+            self.num_blocks = comm.min_int(self.num_blocks)
         self.caches = [
             LayerKVCache.allocate(
                 self.num_blocks,
                 self.block_size,
-                arch.num_kv_heads,
+                self.num_kv_heads,
                 arch.head_dim,
                 kind,
                 self.dtype,
@@ -93,24 +168,78 @@ class ModelRunner:
             for cache, shift in zip(self.caches, self.calibration.shifts, strict=True):
                 cache.k_shift = shift
         self.generators: dict[str, torch.Generator] = {}
+        self._replica = self._gather_replica_facts()
+
+    # -- replica-wide facts (rank 0 reports them) ------------------------------------------
+
+    def _gather_replica_facts(self) -> dict[str, Any]:
+        """Per global layer: its KV dtype and calibration error (the highest over the tensor
+        ranks, each of which calibrates its own heads); KV bytes per token and weight
+        bytes summed over every rank."""
+        local = {
+            "stage": self.topology.stage,
+            "tp_rank": self.topology.tp_rank,
+            "kinds": list(self.layer_kinds),
+            "errors": list(self.calibration.errors) if self.calibration else None,
+            "kv_bytes": self._local_kv_bytes_per_token(),
+            "weight_bytes": self.weight_bytes,
+        }
+        if self.comm is None:
+            return {**local, "kinds": local["kinds"], "errors": local["errors"]}
+        everyone = self.comm.gather_object(local)
+        if everyone is None:
+            return local
+        kinds: list[KVDType] = []
+        errors: list[float | None] | None = [] if local["errors"] is not None else None
+        for stage in range(self.topology.pipeline):
+            ranks = [r for r in everyone if r["stage"] == stage]
+            kinds += next(r["kinds"] for r in ranks if r["tp_rank"] == 0)
+            if errors is not None:
+                per_rank = [r["errors"] for r in ranks]
+                for layer_errors in zip(*per_rank, strict=True):
+                    known = [e for e in layer_errors if e is not None]
+                    errors.append(max(known) if known else None)
+        if errors is not None and self.calibration is not None:
+            log.info(
+                "KV calibration over %d ranks: layer dtypes %s, errors %s",
+                self.topology.world_size,
+                kinds,
+                ["-" if e is None else f"{e:.4f}" for e in errors],
+            )
+        return {
+            "kinds": kinds,
+            "errors": errors,
+            "kv_bytes": sum(r["kv_bytes"] for r in everyone),
+            "weight_bytes": sum(r["weight_bytes"] for r in everyone),
+        }
+
+    @property
+    def replica_layer_kinds(self) -> list[KVDType]:
+        return list(self._replica["kinds"])
+
+    @property
+    def replica_calibration_errors(self) -> list[float | None]:
+        return list(self._replica["errors"] or [])
+
+    # -- calibration -----------------------------------------------------------------------
 
     @torch.inference_mode()
     def _calibrate(self, token_ids: list[int]) -> Calibration:
         """Measure each low-precision layer's attention error on ``token_ids`` (one prefill
-        with exact KV) and choose its storage dtype; see ``kv_calibration``."""
+        with exact KV) and choose its storage dtype; see ``kv_calibration``. Under
+        parallelism every rank measures its own layers and heads in the same pass."""
         dynamic = self.config.kv_cache.dynamic_precision
         ids = token_ids[: min(len(token_ids), self.max_model_len, 1024)]
         size = self.block_size
         blocks = -(-len(ids) // size)
         self.caches = [
             LayerKVCache.allocate(
-                blocks, size, self.arch.num_kv_heads, self.arch.head_dim, "auto", self.dtype,
+                blocks, size, self.num_kv_heads, self.arch.head_dim, "auto", self.dtype,
                 self.device,
             )
             for _ in self.layer_kinds
         ]  # fmt: skip
-        seq = Sequence("kv-calibration", list(ids), len(ids), SamplingParams())
-        seq.block_table = list(range(blocks))
+        chunk = SeqChunk("kv-calibration", list(ids), 0, list(range(blocks)), False, None)
         layers: list[Any] = [layer.self_attn for layer in self.model.model.layers]
         captured: list[Any] = [None] * len(layers)
 
@@ -122,12 +251,12 @@ class ModelRunner:
             for i, attn in enumerate(layers)
         ]
         try:
-            input_ids, positions, meta, _, _ = self._prepare([seq], [len(ids)])
-            self.model(input_ids, positions, self.rotary, self.caches, meta)
+            self._run_stage([self._prepare([chunk])], sample=False)
         finally:
             for hook in hooks:
                 hook.remove()
             self.caches = []
+        self._finish_step()
         chosen, errors, shifts = decide(
             layers,
             captured,
@@ -138,20 +267,24 @@ class ModelRunner:
         )
         return Calibration(list(self.layer_kinds), chosen, errors, shifts, len(ids))
 
-    @property
-    def kv_bytes_per_token(self) -> int:
+    # -- memory ----------------------------------------------------------------------------
+
+    def _local_kv_bytes_per_token(self) -> int:
         return sum(
-            bytes_per_token(kind, self.dtype, self.arch.num_kv_heads, self.arch.head_dim)
+            bytes_per_token(kind, self.dtype, self.num_kv_heads, self.arch.head_dim)
             for kind in self.layer_kinds
         )
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes one token takes in the whole replica (every rank's layers and heads)."""
+        return int(self._replica["kv_bytes"])
+
     def kv_bytes_by_dtype(self, num_blocks: int) -> dict[str, int]:
-        """Bytes ``num_blocks`` blocks take in the layers of each storage dtype."""
+        """Bytes ``num_blocks`` blocks take in this rank's layers of each storage dtype."""
         out: dict[str, int] = {}
         for kind in self.layer_kinds:
-            per_token = bytes_per_token(
-                kind, self.dtype, self.arch.num_kv_heads, self.arch.head_dim
-            )
+            per_token = bytes_per_token(kind, self.dtype, self.num_kv_heads, self.arch.head_dim)
             name = str(self.dtype).removeprefix("torch.") if kind == "auto" else kind
             out[name] = out.get(name, 0) + per_token * num_blocks * self.block_size
         return out
@@ -164,15 +297,16 @@ class ModelRunner:
             return kv.num_blocks
         fraction = kv.effective_memory_fraction or 0.9
         budget = self.backend.kv_cache_budget()
-        budget_blocks = int(budget * fraction) // (self.kv_bytes_per_token * self.block_size)
+        per_block = max(1, self._local_kv_bytes_per_token()) * self.block_size
+        budget_blocks = int(budget * fraction) // per_block
         # No point holding more than every sequence slot at full length needs.
         enough = self.config.scheduler.max_num_seqs * blocks_per_seq
         return max(1, min(budget_blocks, enough))
 
     def memory_bytes(self) -> dict[str, int]:
-        """Device memory by kind: weights, KV cache, and activations (the allocator's peak
-        beyond the two on accelerators; on CPU, which has no allocator statistics, an
-        estimate of the largest step the scheduler allows)."""
+        """Device memory of this rank by kind: weights, KV cache, and activations (the
+        allocator's peak beyond the two on accelerators; on CPU, which has no allocator
+        statistics, an estimate of the largest step the scheduler allows)."""
         kv = sum(
             t.numel() * t.element_size()
             for c in self.caches
@@ -184,9 +318,10 @@ class ModelRunner:
             activations = max(0, peak - self.weight_bytes - kv)
         else:
             a = self.arch
+            tp = self.topology.tensor
             tokens = self.config.scheduler.max_num_batched_tokens
-            per_token = 4 * a.hidden_size + (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
-            per_token += 3 * a.intermediate_size  # gate_up output and its product
+            per_token = 4 * a.hidden_size + (a.num_heads + 2 * a.num_kv_heads) * a.head_dim // tp
+            per_token += 3 * a.intermediate_size // tp  # gate_up output and its product
             itemsize = torch.empty((), dtype=self.dtype).element_size()
             logits = self.config.scheduler.max_num_seqs * a.vocab_size * 4  # float32
             activations = tokens * per_token * itemsize + logits
@@ -194,49 +329,182 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+        if self.comm is not None and not self.topology.is_sampler:
+            self._released.append(request_id)
+
+    # -- the step (rank 0) -----------------------------------------------------------------
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[SampleResult | None]:
         """Run one step; per sequence the sampled token, or None for a prefill chunk that
         leaves more of the prompt to compute."""
-        order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)
-        seqs = [batch.seqs[i] for i in order]
-        counts = [batch.num_new_tokens[i] for i in order]
-        input_ids, positions, meta, last_rows, samplers = self._prepare(seqs, counts)
-        hidden = self.model(input_ids, positions, self.rotary, self.caches, meta)
-        results: list[SampleResult | None] = [None] * len(batch)
-        if samplers:
-            logits = self.model.compute_logits(hidden[last_rows])
-            params = [seqs[j].params for j in samplers]
-            generators = [self._generator(seqs[j]) for j in samplers]
-            sampled = sample(logits, params, generators)
-            for row, j in enumerate(samplers):
-                results[order[j]] = SampleResult([sampled.token_ids[row]], [sampled.logprobs[row]])
+        chunks = [_chunk(seq, n) for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True)]
+        if self.comm is None:
+            results = self.run_plan(StepPlan("step", chunks, 1))
+            assert results is not None
+            return results
+        started = time.perf_counter()
+        self._steps += 1
+        plan = StepPlan(
+            "step",
+            chunks,
+            self.micro_batches.micro_batches,
+            self._released,
+            report=self._steps % REPORT_EVERY_STEPS == 0,
+        )
+        self._released = []
+        self.comm.broadcast_object(plan)
+        results = self.run_plan(plan, wall_started=started)
+        assert results is not None
         return results
+
+    def heartbeat(self) -> None:
+        """Tell the other ranks the replica is alive while it has nothing to run (their
+        wait for the next plan would otherwise time out)."""
+        if self.comm is not None:
+            plan = StepPlan("heartbeat", released=self._released)
+            self._released = []
+            self.comm.broadcast_object(plan)
+
+    def shutdown(self) -> None:
+        """Rank 0: let the other ranks exit; every rank: leave the group."""
+        if self.comm is None:
+            return
+        if self.topology.is_driver:
+            try:
+                self.comm.broadcast_object(StepPlan("stop"))
+            except RuntimeError as exc:  # some rank already gone: nothing to tell it
+                log.debug("stop plan not delivered: %s", exc)
+        self.comm.close()
+
+    # -- the step (every rank) -------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run_plan(
+        self, plan: StepPlan, wall_started: float | None = None
+    ) -> list[SampleResult | None] | None:
+        """Run this rank's part of a step; rank 0 gets the sampled results (others None)."""
+        for request_id in plan.released:
+            self.generators.pop(request_id, None)
+        if plan.kind != "step" or not plan.chunks:
+            return None
+        chunks = plan.chunks
+        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)
+        ordered = [chunks[i] for i in order]
+        groups = split_micro_batches(ordered, plan.micro_batches)
+        prepared = [self._prepare(group) for group in groups]
+        sampled = self._run_stage(prepared, sample=True)
+        results: list[SampleResult | None] | None = None
+        if sampled is not None:  # this rank sampled: map back to the plan's order
+            results = [None] * len(chunks)
+            for j, result in sampled.items():
+                results[order[j]] = result
+        topo = self.topology
+        if self.comm is not None and topo.sampler_rank != 0:
+            if topo.is_sampler:
+                self.comm.send_object(results, 0)
+            elif topo.is_driver:
+                results = self.comm.recv_object(topo.sampler_rank)
+        wall = time.perf_counter() - wall_started if wall_started is not None else 0.0
+        self._finish_step(wall, plan.report)
+        return results
+
+    def _run_stage(self, prepared: list[_Prepared], sample: bool) -> dict[int, SampleResult] | None:
+        """This rank's stage over the micro-batches. Returns, on the sampling rank, the
+        sampled result of each sampling chunk by its index in the concatenated order."""
+        topo, comm = self.topology, self.comm
+        monitor = comm.monitor if comm is not None else None
+        hidden_size = self.arch.hidden_size
+        receives: list[Pending] = []
+        if comm is not None and topo.prev_rank is not None:
+            for i, prep in enumerate(prepared):  # post every receive up front
+                buffer = torch.empty(
+                    prep.num_tokens, hidden_size, dtype=self.dtype, device=self.device
+                )
+                receives.append(comm.recv(buffer, topo.prev_rank, tag=i))
+        sends: list[Pending] = []
+        logits: list[torch.Tensor] = []
+        for i, prep in enumerate(prepared):
+            inputs = receives[i].wait() if receives else prep.input_ids
+            start = time.perf_counter()
+            hidden = self.model(inputs, prep.positions, self.rotary, self.caches, prep.meta)
+            if topo.is_last_stage and sample and prep.samplers:
+                logits.append(self.model.compute_logits(hidden[prep.last_rows]))
+            self.backend.synchronize()
+            if monitor is not None:
+                monitor.compute(start, time.perf_counter())
+            if comm is not None and topo.next_rank is not None:
+                sends.append(comm.send(hidden, topo.next_rank, tag=i))
+        for pending in sends:  # they finished behind the later micro-batches' compute
+            pending.wait()
+        if not (sample and topo.is_sampler):
+            return None
+        samplers = [
+            (offset + j, prep.chunks[j])
+            for offset, prep in zip(_offsets(prepared), prepared, strict=True)
+            for j in prep.samplers
+        ]
+        if not samplers:
+            return {}
+        start = time.perf_counter()
+        params = [chunk.params or SamplingParams() for _, chunk in samplers]
+        generators = [self._generator(chunk) for _, chunk in samplers]
+        drawn = sample_tokens(torch.cat(logits), params, generators)
+        if monitor is not None:
+            monitor.compute(start, time.perf_counter())
+        return {
+            index: SampleResult([drawn.token_ids[row]], [drawn.logprobs[row]])
+            for row, (index, _) in enumerate(samplers)
+        }
+
+    def _finish_step(self, wall: float = 0.0, report: bool = False) -> None:
+        if self.comm is None:
+            return
+        self.comm.monitor.end_step(wall)
+        if not report:
+            return
+        totals = self.comm.monitor.totals
+        summed = self.comm.reduce_counters(totals)
+        if summed is not None:
+            window = summed.minus(self.replica_counters)
+            self.replica_counters = summed
+            self.window = window
+            if self.config.parallel.micro_batches is None and self.topology.pipeline > 1:
+                before = self.micro_batches.micro_batches
+                after = self.micro_batches.observe(window.overlap, window.comm_total > 0)
+                if after != before:
+                    log.info(
+                        "overlap %.2f below %.2f: micro-batches %d → %d",
+                        window.overlap,
+                        self.micro_batches.floor,
+                        before,
+                        after,
+                    )
 
     @torch.inference_mode()
     def all_logits(self, seq: Sequence) -> torch.Tensor:
         """Logits of every token of ``seq`` computed as one prefill ([tokens, vocab])."""
-        input_ids, positions, meta, _, _ = self._prepare([seq], [seq.num_tokens])
-        hidden = self.model(input_ids, positions, self.rotary, self.caches, meta)
+        if self.comm is not None:
+            raise RuntimeError("all_logits needs a single-process engine (tensor 1, pipeline 1)")
+        prep = self._prepare([_chunk(seq, seq.num_tokens)])
+        hidden = self.model(prep.input_ids, prep.positions, self.rotary, self.caches, prep.meta)
         return self.model.compute_logits(hidden)
 
-    def _generator(self, seq: Sequence) -> torch.Generator | None:
-        if seq.params.seed is None or seq.params.is_greedy:
+    def _generator(self, chunk: SeqChunk) -> torch.Generator | None:
+        params = chunk.params
+        if params is None or params.seed is None or params.is_greedy:
             return None
-        generator = self.generators.get(seq.request_id)
+        generator = self.generators.get(chunk.request_id)
         if generator is None:
-            generator = torch.Generator(device=self.device).manual_seed(seq.params.seed)
-            self.generators[seq.request_id] = generator
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            self.generators[chunk.request_id] = generator
         return generator
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         size = self.block_size
         return [block_table[p // size] * size + p % size for p in range(start, end)]
 
-    def _prepare(
-        self, seqs: list[Sequence], counts: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[int]]:
+    def _prepare(self, chunks: list[SeqChunk]) -> _Prepared:
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -246,20 +514,20 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         window = self.arch.sliding_window
-        for j, (seq, n) in enumerate(zip(seqs, counts, strict=True)):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        for j, chunk in enumerate(chunks):
+            start, end, n = chunk.start, chunk.end, len(chunk.token_ids)
             row = len(ids)
-            ids.extend(seq.token_ids[start:end])
+            ids.extend(chunk.token_ids)
             pos.extend(range(start, end))
-            slots.extend(self._slots(seq.block_table, start, end))
-            if end == seq.num_tokens:
+            slots.extend(self._slots(chunk.block_table, start, end))
+            if chunk.samples:
                 last_rows.append(row + n - 1)
                 samplers.append(j)
             if n == 1:
-                decode_tables.append(seq.block_table)
+                decode_tables.append(chunk.block_table)
                 decode_lens.append(end)
             else:
-                prefills.append(self._prefill_span(seq, row, start, end, window))
+                prefills.append(self._prefill_span(chunk, row, window))
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             prefills=prefills,
@@ -267,7 +535,8 @@ class ModelRunner:
         if decode_lens:
             self._decode_metadata(meta, decode_tables, decode_lens, window)
         device = self.device
-        return (
+        return _Prepared(
+            chunks,
             torch.tensor(ids, dtype=torch.long, device=device),
             torch.tensor(pos, dtype=torch.long, device=device),
             meta,
@@ -275,9 +544,8 @@ class ModelRunner:
             samplers,
         )
 
-    def _prefill_span(
-        self, seq: Sequence, row: int, start: int, end: int, window: int | None
-    ) -> PrefillSpan:
+    def _prefill_span(self, chunk: SeqChunk, row: int, window: int | None) -> PrefillSpan:
+        start, end = chunk.start, chunk.end
         n = end - start
         if start == 0 and (window is None or end <= window):
             return PrefillSpan(row, n, end, None, None)  # a fresh prompt: plain causal
@@ -286,7 +554,7 @@ class ModelRunner:
         mask = keys[None, :] <= queries
         if window is not None:
             mask &= keys[None, :] > queries - window
-        slots = torch.tensor(self._slots(seq.block_table, 0, end), device=self.device)
+        slots = torch.tensor(self._slots(chunk.block_table, 0, end), device=self.device)
         return PrefillSpan(row, n, end, slots, mask)
 
     def _decode_metadata(
@@ -310,3 +578,25 @@ class ModelRunner:
         meta.decode_blocks = padded
         bias = torch.zeros(mask.shape, dtype=torch.float32, device=self.device)
         meta.decode_bias = bias.masked_fill_(~mask, float("-inf"))[:, None, None, :]
+
+
+def _chunk(seq: Sequence, num_new: int) -> SeqChunk:
+    start = seq.num_computed_tokens
+    end = start + num_new
+    samples = end == seq.num_tokens
+    return SeqChunk(
+        seq.request_id,
+        seq.token_ids[start:end],
+        start,
+        list(seq.block_table),
+        samples,
+        seq.params if samples else None,
+    )
+
+
+def _offsets(prepared: list[_Prepared]) -> list[int]:
+    out, at = [], 0
+    for prep in prepared:
+        out.append(at)
+        at += len(prep.chunks)
+    return out

@@ -36,6 +36,7 @@ class ModelFacts:
     num_kv_heads: int
     max_position_embeddings: int
     num_experts: int = 0
+    intermediate_size: int = 0
 
 
 class EngineConfig(Section):
@@ -88,10 +89,20 @@ class EngineConfig(Section):
                 f"parallel.pipeline ({par.pipeline}) exceeds the model's {facts.num_layers} "
                 f"layers; use at most {facts.num_layers}"
             )
+        if par.stage_layers is not None and sum(par.stage_layers) != facts.num_layers:
+            problems.append(
+                f"parallel.stageLayers sums to {sum(par.stage_layers)} layers but the model has "
+                f"{facts.num_layers}; make the counts add up to {facts.num_layers}"
+            )
         if facts.num_attention_heads % par.tensor:
             problems.append(
                 f"parallel.tensor ({par.tensor}) must divide the model's "
                 f"{facts.num_attention_heads} attention heads"
+            )
+        if facts.intermediate_size % par.tensor:
+            problems.append(
+                f"parallel.tensor ({par.tensor}) must divide the model's MLP width "
+                f"({facts.intermediate_size})"
             )
         kv = facts.num_kv_heads
         if kv % par.tensor and par.tensor % kv:

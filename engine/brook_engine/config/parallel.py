@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from brook_engine.config.base import Section
 
@@ -16,14 +16,32 @@ class ParallelConfig(Section):
     pipeline: int = Field(default=1, ge=1, le=64)
     """Pipeline-parallel degree: stages that each hold a contiguous range of layers."""
 
-    micro_batches: int | None = Field(default=None, ge=1, le=256)
-    """Micro-batches in flight through the pipeline; defaults to the pipeline degree, the
-    fewest that keep every stage busy."""
+    micro_batches: int | None = Field(default=None, ge=1, le=64)
+    """Micro-batches a step is split into on its way through the pipeline. Unset: start at
+    twice the pipeline degree and let the overlap monitor add more while communication
+    stays exposed; set: exactly this many, never changed."""
+
+    stage_layers: list[int] | None = Field(default=None, min_length=1)
+    """Decoder layers per pipeline stage, first stage first (e.g. [13, 11]); unset: split
+    by cost so that the stages holding the embedding and the LM head get fewer layers."""
+
+    timeout_seconds: float = Field(default=120.0, gt=0, le=3600)
+    """How long a rank waits for the others (rendezvous, and any one collective) before the
+    replica gives up, reports not ready and exits non-zero."""
+
+    @model_validator(mode="after")
+    def _stages_match(self) -> ParallelConfig:
+        layers = self.stage_layers
+        if layers is not None:
+            if len(layers) != self.pipeline:
+                raise ValueError(
+                    f"parallel.stageLayers lists {len(layers)} stages but parallel.pipeline is "
+                    f"{self.pipeline}; give one layer count per stage"
+                )
+            if min(layers) < 1:
+                raise ValueError("parallel.stageLayers: every stage needs at least one layer")
+        return self
 
     @property
     def world_size(self) -> int:
         return self.tensor * self.pipeline
-
-    @property
-    def num_micro_batches(self) -> int:
-        return self.micro_batches if self.micro_batches is not None else self.pipeline

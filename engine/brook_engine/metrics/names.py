@@ -17,6 +17,8 @@ NUM_REQUESTS_WAITING: Final = "brook_engine_num_requests_waiting"
 KV_CACHE_USAGE_RATIO: Final = "brook_engine_kv_cache_usage_ratio"
 KV_CACHE_NUM_BLOCKS: Final = "brook_engine_kv_cache_num_blocks"
 COMM_COMPUTE_OVERLAP_RATIO: Final = "brook_engine_comm_compute_overlap_ratio"
+PIPELINE_BUBBLE_RATIO: Final = "brook_engine_pipeline_bubble_ratio"
+PIPELINE_MICRO_BATCHES: Final = "brook_engine_pipeline_micro_batches"
 DEVICE_MEMORY_BYTES: Final = "brook_engine_device_memory_bytes"  # label: kind
 KV_CACHE_BYTES_PER_TOKEN: Final = "brook_engine_kv_cache_bytes_per_token"
 KV_CACHE_LAYERS: Final = "brook_engine_kv_cache_layers"  # label: dtype
@@ -33,6 +35,9 @@ PREEMPTIONS_TOTAL: Final = "brook_engine_num_preemptions_total"
 PREFIX_CACHE_QUERIES_TOTAL: Final = "brook_engine_prefix_cache_queries_total"  # tokens looked up
 PREFIX_CACHE_HITS_TOTAL: Final = "brook_engine_prefix_cache_hits_total"  # tokens found
 PREFIX_CACHE_EVICTIONS_TOTAL: Final = "brook_engine_prefix_cache_evictions_total"  # blocks
+COMM_SECONDS_TOTAL: Final = "brook_engine_comm_seconds_total"  # label: kind
+COMM_EXPOSED_SECONDS_TOTAL: Final = "brook_engine_comm_exposed_seconds_total"
+STAGE_COMPUTE_SECONDS_TOTAL: Final = "brook_engine_stage_compute_seconds_total"  # label: stage
 
 # Histograms (per finished request).
 TIME_TO_FIRST_TOKEN_SECONDS: Final = "brook_engine_time_to_first_token_seconds"
@@ -43,6 +48,7 @@ REQUEST_QUEUE_TIME_SECONDS: Final = "brook_engine_request_queue_time_seconds"
 # Label values.
 MEMORY_KINDS: Final = ("weights", "kv_cache", "activations")
 FINISH_REASONS: Final = ("stop", "length", "abort")
+COMM_KINDS: Final = ("all_reduce", "all_gather", "p2p", "control")
 
 # The names the Kubernetes inference ecosystem reads: the Gateway API Inference Extension's
 # model-server protocol (queue, running, KV usage as a 0..1 ratio), under the plain names and

@@ -102,6 +102,33 @@ class EngineMetrics:
             ["layer"],
             registry=registry,
         )
+        self.bubble = Gauge(
+            names.PIPELINE_BUBBLE_RATIO,
+            "Share of the ranks' step time not spent computing (latest window; 0 unparallel).",
+            registry=registry,
+        )
+        self.micro_batches = Gauge(
+            names.PIPELINE_MICRO_BATCHES,
+            "Micro-batches a step is split into between pipeline stages.",
+            registry=registry,
+        )
+        self.comm_seconds = counter(
+            names.COMM_SECONDS_TOTAL,
+            "Model communication time summed over ranks, issue to completion, by kind "
+            "(all_reduce, all_gather, p2p; control is the engine's own step plans).",
+            ["kind"],
+        )
+        for kind in names.COMM_KINDS:
+            self.comm_seconds.labels(kind=kind)
+        self.comm_exposed = counter(
+            names.COMM_EXPOSED_SECONDS_TOTAL,
+            "Model communication time no computation hid, summed over ranks.",
+        )
+        self.stage_compute = counter(
+            names.STAGE_COMPUTE_SECONDS_TOTAL,
+            "Compute time per pipeline stage (mean over its tensor-parallel ranks).",
+            ["stage"],
+        )
         self.ttft = histogram(
             names.TIME_TO_FIRST_TOKEN_SECONDS,
             "Arrival to first generated token.",
@@ -138,6 +165,21 @@ class EngineMetrics:
             if error is not None:
                 self.kv_errors.labels(layer=str(layer)).set(error)
         self.overlap.set(stats.comm_compute_overlap)
+        self.bubble.set(stats.pipeline_bubble)
+        self.micro_batches.set(stats.micro_batches)
+        before_stats = self._last
+        for kind, seconds in stats.comm_seconds_total.items():
+            previous_kind = before_stats.comm_seconds_total.get(kind, 0.0) if before_stats else 0.0
+            if seconds > previous_kind:
+                self.comm_seconds.labels(kind=kind).inc(seconds - previous_kind)
+        previous_exposed = before_stats.comm_exposed_seconds_total if before_stats else 0.0
+        if stats.comm_exposed_seconds_total > previous_exposed:
+            self.comm_exposed.inc(stats.comm_exposed_seconds_total - previous_exposed)
+        for stage, seconds in enumerate(stats.stage_compute_seconds_total):
+            old = before_stats.stage_compute_seconds_total if before_stats else ()
+            previous_stage = old[stage] if stage < len(old) else 0.0
+            if seconds > previous_stage:
+                self.stage_compute.labels(stage=str(stage)).inc(seconds - previous_stage)
         for kind, value in stats.memory_bytes.items():
             self.memory.labels(kind=kind).set(value)
         last = self._last

@@ -25,7 +25,12 @@ class EngineStats:
     kv_layer_dtypes: tuple[str, ...] = ()  # storage dtype per layer, after calibration
     kv_calibration_errors: tuple[float | None, ...] = ()  # per layer; None: not measured
     kv_used_bytes: dict[str, int] = field(default_factory=dict)  # dtype -> bytes live blocks hold
-    comm_compute_overlap: float = 1.0  # 1 when nothing is communicated
+    comm_compute_overlap: float = 1.0  # 1 when nothing is communicated (latest window)
+    comm_seconds_total: dict[str, float] = field(default_factory=dict)  # kind -> seconds
+    comm_exposed_seconds_total: float = 0.0
+    pipeline_bubble: float = 0.0  # share of the ranks' step time not computing (latest window)
+    stage_compute_seconds_total: tuple[float, ...] = ()  # per pipeline stage, mean over ranks
+    micro_batches: int = 1
     memory_bytes: dict[str, int] = field(default_factory=dict)  # kind -> bytes
 
 

@@ -55,6 +55,7 @@ class ModelArch:
             num_attention_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             max_position_embeddings=self.max_position_embeddings,
+            intermediate_size=self.intermediate_size,
         )
 
     @classmethod

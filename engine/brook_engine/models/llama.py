@@ -1,6 +1,11 @@
 """The Llama-family decoder (Llama, Mistral, Qwen2): pre-norm blocks of grouped-query
 attention and a SiLU-gated MLP. q/k/v and gate/up are fused into one projection each, so a
-layer runs four matrix multiplications."""
+layer runs four matrix multiplications.
+
+Under tensor parallelism a rank builds the same modules with its share of the heads and of
+the MLP width (``layers.parallel``); under pipeline parallelism only its stage's layers, the
+embedding on the first stage and the final norm and LM head on the last.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,12 @@ from torch import nn
 from brook_engine.kv_cache import LayerKVCache
 from brook_engine.layers.attention import AttentionMetadata, paged_attention
 from brook_engine.layers.norm import RMSNorm
+from brook_engine.layers.parallel import (
+    Shard,
+    TensorComm,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+)
 from brook_engine.layers.rotary import RotaryEmbedding, apply_rotary
 from brook_engine.models.arch import ModelArch
 
@@ -19,18 +30,22 @@ Rotary = tuple[torch.Tensor, torch.Tensor]
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
+    def __init__(
+        self, arch: ModelArch, dtype: torch.dtype, shard: Shard, comm: TensorComm | None
+    ) -> None:
         super().__init__()
-        self.num_heads = arch.num_heads
-        self.num_kv_heads = arch.num_kv_heads
+        self.num_heads = arch.num_heads // shard.tp_size
+        kv_start, kv_end = shard.kv_heads(arch.num_heads, arch.num_kv_heads)
+        self.num_kv_heads = kv_end - kv_start
         self.head_dim = arch.head_dim
-        self.q_size = arch.num_heads * arch.head_dim
-        self.kv_size = arch.num_kv_heads * arch.head_dim
+        self.q_size = self.num_heads * arch.head_dim
+        self.kv_size = self.num_kv_heads * arch.head_dim
         self.qkv_proj = nn.Linear(
             arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias, dtype=dtype
         )
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_bias, dtype=dtype)
         self.scale = arch.head_dim**-0.5
+        self.comm = comm if shard.tp_size > 1 else None
 
     def forward(
         self,
@@ -41,7 +56,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         q, k, v = self.project(x, rotary)
         out = paged_attention(q, k, v, cache, meta, self.scale)
-        return self.o_proj(out.reshape(x.shape[0], self.q_size))  # type: ignore[no-any-return]
+        out = self.o_proj(out.reshape(x.shape[0], self.q_size))
+        return out if self.comm is None else self.comm.all_reduce(out)
 
     def project(
         self, x: torch.Tensor, rotary: Rotary
@@ -56,28 +72,34 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
+    def __init__(
+        self, arch: ModelArch, dtype: torch.dtype, shard: Shard, comm: TensorComm | None
+    ) -> None:
         super().__init__()
-        self.intermediate = arch.intermediate_size
+        self.intermediate = arch.intermediate_size // shard.tp_size
         self.gate_up_proj = nn.Linear(
-            arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias, dtype=dtype
+            arch.hidden_size, 2 * self.intermediate, bias=arch.mlp_bias, dtype=dtype
         )
         self.down_proj = nn.Linear(
-            arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias, dtype=dtype
+            self.intermediate, arch.hidden_size, bias=arch.mlp_bias, dtype=dtype
         )
+        self.comm = comm if shard.tp_size > 1 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)  # type: ignore[no-any-return]
+        out = self.down_proj(F.silu(gate) * up)
+        return out if self.comm is None else self.comm.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
+    def __init__(
+        self, arch: ModelArch, dtype: torch.dtype, shard: Shard, comm: TensorComm | None
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.self_attn = Attention(arch, dtype)
+        self.self_attn = Attention(arch, dtype, shard, comm)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.mlp = MLP(arch, dtype)
+        self.mlp = MLP(arch, dtype, shard, comm)
 
     def forward(
         self,
@@ -91,38 +113,70 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    """Embedding, the decoder layers and the final norm."""
+    """Embedding (first stage), this stage's decoder layers, the final norm (last stage)."""
 
-    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
+    def __init__(
+        self, arch: ModelArch, dtype: torch.dtype, shard: Shard, comm: TensorComm | None
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(arch, dtype) for _ in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.embed_tokens = (
+            VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, shard, comm, dtype)
+            if shard.first_stage
+            else None
+        )
+        end = arch.num_layers if shard.layer_end is None else shard.layer_end
+        self.layers = nn.ModuleList(
+            DecoderLayer(arch, dtype, shard, comm) for _ in range(shard.layer_start, end)
+        )
+        self.norm = (
+            RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype) if shard.last_stage else None
+        )
 
 
 class CausalLM(nn.Module):
-    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        arch: ModelArch,
+        dtype: torch.dtype,
+        shard: Shard | None = None,
+        comm: TensorComm | None = None,
+    ) -> None:
         super().__init__()
         self.arch = arch
-        self.model = Decoder(arch, dtype)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False, dtype=dtype)
-        if arch.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.shard = shard = shard or Shard()
+        self.model = Decoder(arch, dtype, shard, comm)
+        self.lm_head = (
+            VocabParallelHead(arch.vocab_size, arch.hidden_size, shard, comm, dtype)
+            if shard.last_stage
+            else None
+        )
+        self.tie_embeddings()
+
+    def tie_embeddings(self) -> None:
+        """Share the embedding with the LM head when the model ties them and this rank
+        holds both (``to_empty`` gives each use of a shared tensor its own copy, so the
+        runner calls this again after it)."""
+        embed, head = self.model.embed_tokens, self.lm_head
+        if self.arch.tie_word_embeddings and embed is not None and head is not None:
+            head.weight = embed.weight
 
     def forward(
         self,
-        input_ids: torch.Tensor,  # [tokens]
+        inputs: torch.Tensor,  # [tokens] ids on the first stage, else [tokens, hidden]
         positions: torch.Tensor,  # [tokens]
         rotary: RotaryEmbedding,
-        caches: list[LayerKVCache],
+        caches: list[LayerKVCache],  # this stage's layers
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)  # [tokens, hidden]
+        embed = self.model.embed_tokens
+        x = embed(inputs) if embed is not None else inputs  # [tokens, hidden]
         cos_sin = rotary.lookup(positions)
         for layer, cache in zip(self.model.layers, caches, strict=True):
             x = layer(x, cos_sin, cache, meta)
-        return self.model.norm(x)  # type: ignore[no-any-return]
+        norm = self.model.norm
+        return norm(x) if norm is not None else x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[sequences, hidden] → float32 logits [sequences, vocab]."""
+        """[sequences, hidden] → float32 logits [sequences, vocab] (last stage only)."""
+        assert self.lm_head is not None, "only the last pipeline stage has the LM head"
         return self.lm_head(hidden).float()  # type: ignore[no-any-return]

@@ -1,14 +1,18 @@
 """Load a Hugging Face folder's safetensors (single or sharded) into a ``CausalLM``.
 
 q/k/v and gate/up are fused in Brook's layers; the loader copies each checkpoint tensor into
-its slice. A missing or unexpected tensor is an error that names it.
+its slice. Under tensor and pipeline parallelism a rank reads only its own slices of its own
+stage's tensors (safetensors reads slices without loading the rest). A missing or unexpected
+tensor is an error that names it.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -18,9 +22,26 @@ from brook_engine.config import ConfigError
 from brook_engine.models.llama import CausalLM
 
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
-_FUSED = re.compile(
-    r"^(model\.layers\.\d+\.)(self_attn\.(q|k|v)_proj|mlp\.(gate|up)_proj)\.(weight|bias)$"
-)
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Checkpoint rows (or columns, ``dim=1``) [src_start, src_start + length) go to rows
+    [dst_start, …) of parameter ``param``; ``zero`` fills its rows with zeros instead (the
+    bias of a row-parallel projection lives on tensor rank 0 only)."""
+
+    param: str
+    dst_start: int
+    length: int
+    dim: int = 0
+    src_start: int = 0
+    zero: bool = False
+    source_rows: int | None = None  # rows the checkpoint tensor must have; None: ``length``
+
+
+#: A checkpoint tensor this rank does not hold (another stage's).
+_ELSEWHERE: list[Placement] = []
 
 
 def checkpoint_files(folder: Path) -> list[Path]:
@@ -34,41 +55,67 @@ def checkpoint_files(folder: Path) -> list[Path]:
     return files
 
 
-def _target(model: CausalLM, name: str) -> tuple[torch.Tensor, int, int] | None:
-    """The parameter a checkpoint tensor goes into, and the rows it fills."""
-    arch = model.arch
-    fused = _FUSED.match(name)
-    if fused is None:
-        try:
-            param = model.get_parameter(name)
-        except AttributeError:
-            return None
-        return param.data, 0, param.shape[0]
-    prefix, proj, kind = fused.group(1), fused.group(2), fused.group(5)
-    q, kv, inter = (
-        arch.num_heads * arch.head_dim,
-        arch.num_kv_heads * arch.head_dim,
-        (arch.intermediate_size),
-    )
-    offsets = {
-        "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
-        "self_attn.k_proj": ("self_attn.qkv_proj", q, kv),
-        "self_attn.v_proj": ("self_attn.qkv_proj", q + kv, kv),
-        "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter),
-        "mlp.up_proj": ("mlp.gate_up_proj", inter, inter),
-    }
-    fused_name, start, rows = offsets[proj]
-    try:
-        param = model.get_parameter(f"{prefix}{fused_name}.{kind}")
-    except AttributeError:
+def placements(model: CausalLM, name: str, rows: int) -> list[Placement] | None:
+    """Where checkpoint tensor ``name`` (``rows`` long in dimension 0) goes on this rank;
+    an empty list when another rank holds it, None when the model has no such tensor."""
+    arch, shard = model.arch, model.shard
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        start, end, _ = shard.vocab(arch.vocab_size)
+        if name == "lm_head.weight":
+            target = "lm_head.weight" if model.lm_head is not None else None
+        elif model.model.embed_tokens is not None:
+            target = "model.embed_tokens.weight"
+        elif arch.tie_word_embeddings and model.lm_head is not None:
+            target = "lm_head.weight"  # a last stage of a tied model: the head is the embedding
+        else:
+            target = None
+        place = Placement(target or "", 0, end - start, 0, start, source_rows=arch.vocab_size)
+        return [place] if target else _ELSEWHERE
+    if name == "model.norm.weight":
+        return [Placement(name, 0, rows)] if model.model.norm is not None else _ELSEWHERE
+    layer = _LAYER.match(name)
+    if layer is None:
         return None
-    return param.data, start, rows
+    index, module, kind = int(layer.group(1)), layer.group(2), layer.group(3)
+    end_layer = arch.num_layers if shard.layer_end is None else shard.layer_end
+    if not 0 <= index < arch.num_layers:
+        return None
+    if not shard.layer_start <= index < end_layer:
+        return _ELSEWHERE
+    prefix = f"model.layers.{index - shard.layer_start}."
+    d = arch.head_dim
+    h0, h1 = shard.split(arch.num_heads)
+    k0, k1 = shard.kv_heads(arch.num_heads, arch.num_kv_heads)
+    i0, i1 = shard.split(arch.intermediate_size)
+    q_local, kv_local, inter_local = (h1 - h0) * d, (k1 - k0) * d, i1 - i0
+    q_all, kv_all = arch.num_heads * d, arch.num_kv_heads * d
+    column = {  # column-parallel: fused parameter, destination row, source row, rows, of
+        "self_attn.q_proj": ("self_attn.qkv_proj", 0, h0 * d, q_local, q_all),
+        "self_attn.k_proj": ("self_attn.qkv_proj", q_local, k0 * d, kv_local, kv_all),
+        "self_attn.v_proj": ("self_attn.qkv_proj", q_local + kv_local, k0 * d, kv_local, kv_all),
+        "mlp.gate_proj": ("mlp.gate_up_proj", 0, i0, inter_local, arch.intermediate_size),
+        "mlp.up_proj": ("mlp.gate_up_proj", inter_local, i0, inter_local, arch.intermediate_size),
+    }
+    if module in column:
+        fused, dst, src, length, total = column[module]
+        return [Placement(f"{prefix}{fused}.{kind}", dst, length, 0, src, source_rows=total)]
+    row_parallel = {"self_attn.o_proj": h0 * d, "mlp.down_proj": i0}
+    if module in row_parallel:
+        param = f"{prefix}{module}.{kind}"
+        if kind == "bias":
+            return [Placement(param, 0, rows, zero=shard.tp_rank != 0)]
+        return [Placement(param, 0, rows, 1, row_parallel[module])]
+    return [Placement(f"{prefix}{module}.{kind}", 0, rows)]
+
+
+def _read(f: Any, name: str, place: Placement, width: int) -> torch.Tensor:
+    piece = f.get_slice(name)
+    start, end = place.src_start, place.src_start + (width if place.dim else place.length)
+    return piece[:, start:end] if place.dim == 1 else piece[start:end]  # type: ignore[no-any-return]
 
 
 def load_weights(model: CausalLM, folder: Path, progress: bool = True) -> None:
     expected = {name for name, _ in model.named_parameters()}
-    if model.arch.tie_word_embeddings:
-        expected.discard("lm_head.weight")
     filled: dict[str, int] = {}
     files = checkpoint_files(folder)
     with tqdm(total=len(files), desc="Loading weights", unit="file", disable=not progress) as bar:
@@ -79,22 +126,16 @@ def load_weights(model: CausalLM, folder: Path, progress: bool = True) -> None:
                         name == "lm_head.weight" and model.arch.tie_word_embeddings
                     ):
                         continue
-                    target = _target(model, name)
-                    if target is None:
+                    shape = tuple(f.get_slice(name).get_shape())
+                    targets = placements(model, name, shape[0])
+                    if targets is None:
                         raise ConfigError(
                             f"{path.name}: unexpected tensor {name!r} for {model.arch.architecture}"
                         )
-                    param, start, rows = target
-                    tensor = f.get_tensor(name)
-                    if tensor.shape[0] != rows or tensor.shape[1:] != param.shape[1:]:
-                        raise ConfigError(
-                            f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                            f"expected ({rows}, {', '.join(map(str, param.shape[1:]))})"
-                        )
-                    param[start : start + rows].copy_(tensor)
-                    fused = _fused_name(name)
-                    filled[fused] = filled.get(fused, 0) + rows
+                    for place in targets:
+                        _place(model, f, path, name, shape, place, filled)
             bar.update(1)
+    _zero_vocab_padding(model, filled)
     missing = sorted(n for n in expected if filled.get(n, 0) != model.get_parameter(n).shape[0])
     if missing:
         shown = ", ".join(missing[:5]) + (
@@ -103,9 +144,53 @@ def load_weights(model: CausalLM, folder: Path, progress: bool = True) -> None:
         raise ConfigError(f"{folder}: checkpoint lacks {shown}")
 
 
-def _fused_name(name: str) -> str:
-    fused = _FUSED.match(name)
-    if fused is None:
-        return name
-    proj = "self_attn.qkv_proj" if fused.group(2).startswith("self_attn") else "mlp.gate_up_proj"
-    return f"{fused.group(1)}{proj}.{fused.group(5)}"
+def _place(
+    model: CausalLM,
+    f: Any,
+    path: Path,
+    name: str,
+    shape: tuple[int, ...],
+    place: Placement,
+    filled: dict[str, int],
+) -> None:
+    try:
+        param = model.get_parameter(place.param).data
+    except AttributeError:
+        raise ConfigError(
+            f"{path.name}: unexpected tensor {name!r} for {model.arch.architecture}"
+        ) from None
+    if place.zero:
+        param.zero_()
+        filled[place.param] = filled.get(place.param, 0) + param.shape[0]
+        return
+    width = param.shape[1] if place.dim == 1 else 0
+    rows_ok = shape[0] == (place.source_rows or place.length) and (
+        place.dst_start + place.length <= param.shape[0]
+    )
+    if place.dim == 0:
+        rest_ok = shape[1:] == tuple(param.shape[1:])
+    else:  # a column slice of a row-parallel weight; the full width is tensor × ours
+        rest_ok = len(shape) == 2 and shape[1] == width * model.shard.tp_size
+    if not rows_ok or not rest_ok:
+        raise ConfigError(
+            f"{path.name}: tensor {name!r} has shape {shape}, which does not fit parameter "
+            f"{place.param} of shape {tuple(param.shape)}; the checkpoint does not match "
+            "config.json"
+        )
+    param[place.dst_start : place.dst_start + place.length].copy_(_read(f, name, place, width))
+    filled[place.param] = filled.get(place.param, 0) + place.length
+
+
+def _zero_vocab_padding(model: CausalLM, filled: dict[str, int]) -> None:
+    """Rows past the vocabulary on the last tensor rank: zero, so they score 0 and are cut."""
+    start, end, rows = model.shard.vocab(model.arch.vocab_size)
+    pad = rows - (end - start)
+    if pad <= 0:
+        return
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        try:
+            param = model.get_parameter(name)
+        except AttributeError:
+            continue
+        param.data[end - start :].zero_()
+        filled[name] = filled.get(name, 0) + pad

@@ -34,6 +34,7 @@ from brook_engine.config import ConfigError, EngineConfig
 from brook_engine.config.server import ApiKeyConfig
 from brook_engine.llm_engine import LLMEngine, resolve_model_folder
 from brook_engine.metrics.prometheus import EngineMetrics
+from brook_engine.parallel.launch import GroupSpec
 from brook_engine.server.chat import create_chat_completion
 from brook_engine.server.completions import create_completion
 from brook_engine.server.errors import APIError, from_validation_error, invalid
@@ -75,6 +76,7 @@ def build_app(
     config: EngineConfig,
     registry: CollectorRegistry | None = None,
     on_fatal: Callable[[BaseException], None] | None = None,
+    group: GroupSpec | None = None,
 ) -> Starlette:
     """The server for ``config``. The model loads when the app starts (its lifespan);
     ``on_fatal`` is told if loading fails."""
@@ -88,11 +90,11 @@ def build_app(
 
             def build() -> tuple[LLMEngine, EngineMetrics]:
                 nonlocal warm_up_s
-                engine = LLMEngine(config)
+                engine = LLMEngine(config, group=group)
                 warm_up_s = engine.warm_up()
                 return engine, EngineMetrics(registry, _info(config, engine))
 
-            state.engine = await AsyncEngine.launch(build)
+            state.engine = await AsyncEngine.launch(build, on_fatal)
             engine = state.engine.engine
             state.tokenizer = engine.tokenizer
             state.max_model_len = engine.max_model_len
@@ -140,6 +142,8 @@ def build_app(
             return JSONResponse({"status": "draining"}, status_code=503)
         if not state.is_ready:
             return JSONResponse({"status": "loading"}, status_code=503)
+        if state.engine is not None and not state.engine.is_running:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
         return JSONResponse({"status": "ready"})
 
     async def metrics(request: Request) -> Response:

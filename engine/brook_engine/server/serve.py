@@ -18,6 +18,8 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 
 from brook_engine.config import EngineConfig
+from brook_engine.parallel.launch import GroupSpec
+from brook_engine.parallel.worker import run_worker_pod
 from brook_engine.server.app import build_app
 from brook_engine.server.generation import ServerState
 
@@ -78,9 +80,27 @@ class _DrainingServer(uvicorn.Server):
 
 
 def serve(config: EngineConfig) -> int:
-    """Serve until drained; the exit status (0, or 1 when the model failed to load)."""
+    """Serve until drained; the exit status (0, or 1 when the model failed to load or the
+    replica lost a rank). In a replica of several devices this process takes its place from
+    the environment (``parallel.launch``): on the first pod it is rank 0 and serves, on the
+    others it runs that pod's workers."""
+    group: GroupSpec | None = None
+    if config.parallel.world_size > 1:
+        group = GroupSpec.from_environment(config)
+        if group.pod_rank != 0:
+            log.info(
+                "worker pod %d of the replica: ranks %d-%d, rank 0 at %s:%d",
+                group.pod_rank,
+                group.local_ranks.start,
+                group.local_ranks.stop - 1,
+                group.rendezvous.host,
+                group.rendezvous.port,
+            )
+            return run_worker_pod(config, group)
     holder: list[_DrainingServer] = []
-    app = build_app(config, CollectorRegistry(), on_fatal=lambda exc: holder[0].fail(exc))
+    app = build_app(
+        config, CollectorRegistry(), on_fatal=lambda exc: holder[0].fail(exc), group=group
+    )
     uvicorn_config = uvicorn.Config(
         app,
         host=config.server.host,

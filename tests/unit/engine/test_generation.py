@@ -214,7 +214,6 @@ def test_kv_storage_round_trip(kind: Any, tolerance: float) -> None:
 @pytest.mark.parametrize(
     ("options", "text"),
     [
-        ({"tensor": 2}, "multi-device replicas are not available"),
         ({"offload": {"policy": "static", "device_memory_limit_gb": 1}}, "offload.policy"),
         ({"quantization": {"weights": "w8a16"}}, "quantization.weights"),
         ({"shapes": {"mode": "compile"}}, "shapes.mode"),

@@ -1,0 +1,261 @@
+"""The replica's process group and every collective the model and the engine use, timed for
+the overlap monitor.
+
+A failure of any of them (a peer died, or did not answer within ``parallel.timeoutSeconds``)
+is raised as ``ParallelGroupError``: the replica cannot go on without that rank, so the
+engine treats it as fatal.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from brook_engine.parallel.overlap import Counters, OverlapMonitor
+from brook_engine.parallel.topology import Topology
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class ParallelGroupError(RuntimeError):
+    """A rank of the replica failed or stopped answering."""
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where rank 0's store listens, and how long everyone waits for everyone."""
+
+    host: str
+    port: int
+    timeout_seconds: float
+
+
+def _guard(what: str, call: Callable[[], T]) -> T:
+    try:
+        return call()
+    except ParallelGroupError:
+        raise
+    except (RuntimeError, ValueError, OSError) as exc:  # gloo/NCCL/HCCL raise RuntimeError
+        raise ParallelGroupError(f"{what} failed: {exc}") from exc
+
+
+def _listen_socket(host: str, port: int) -> socket.socket:
+    """Rank 0's store socket, bound to the rendezvous address only (torch's own store
+    binds every interface)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ParallelGroupError(
+            f"rank 0 cannot listen on {host}:{port} for the rendezvous: {exc.strerror}; "
+            "MASTER_ADDR must be this pod's own address and MASTER_PORT free"
+        ) from exc
+    sock.listen(128)
+    return sock
+
+
+class Communicator:
+    """One rank's view of the replica: its topology, the groups, timed communication."""
+
+    def __init__(self, topology: Topology, backend: str, rendezvous: Rendezvous) -> None:
+        self.topology = topology
+        self.monitor = OverlapMonitor(topology.stage, topology.pipeline)
+        self.blocking_sends = False  # the benchmark's "blocking transfers" baseline
+        timeout = timedelta(seconds=rendezvous.timeout_seconds)
+        self._listener: socket.socket | None = None
+        if topology.is_driver:
+            self._listener = _listen_socket(rendezvous.host, rendezvous.port)
+        try:
+            store = dist.TCPStore(  # type: ignore[attr-defined]
+                rendezvous.host,
+                rendezvous.port,
+                topology.world_size,
+                topology.is_driver,
+                timeout=timeout,
+                master_listen_fd=self._listener.fileno() if self._listener else None,
+                use_libuv=False,
+            )
+            dist.init_process_group(
+                backend,
+                store=store,
+                rank=topology.rank,
+                world_size=topology.world_size,
+                timeout=timeout,
+            )
+        except (RuntimeError, ValueError, OSError) as exc:
+            raise ParallelGroupError(
+                f"rank {topology.rank} of {topology.world_size} could not join the replica at "
+                f"{rendezvous.host}:{rendezvous.port} within {rendezvous.timeout_seconds:.0f} s "
+                f"({exc}); check that every pod of the replica started and MASTER_ADDR/"
+                "MASTER_PORT point at rank 0"
+            ) from exc
+        self._store = store
+        if self._listener is not None:
+            self._listener.detach()  # the store owns the descriptor now
+            self._listener = None
+        # Every rank creates every stage's group, in the same order (torch requires it).
+        self.tp_group: Any = None
+        for stage in range(topology.pipeline):
+            group = dist.new_group(topology.stage_ranks(stage), timeout=timeout)
+            if stage == topology.stage:
+                self.tp_group = group
+        self._watcher = _CompletionWatcher(self.monitor)
+
+    # -- tensor parallel -----------------------------------------------------------------
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over the stage's tensor-parallel ranks, in place (blocking: the next matmul
+        needs it)."""
+        start = time.perf_counter()
+        _guard("all-reduce", lambda: dist.all_reduce(tensor, group=self.tp_group))
+        self.monitor.blocking("all_reduce", start, time.perf_counter())
+        return tensor
+
+    def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate the tensor-parallel ranks' shards along the last dimension."""
+        start = time.perf_counter()
+        parts = [torch.empty_like(tensor) for _ in range(self.topology.tensor)]
+        _guard("all-gather", lambda: dist.all_gather(parts, tensor, group=self.tp_group))
+        self.monitor.blocking("all_gather", start, time.perf_counter())
+        return torch.cat(parts, dim=-1)
+
+    # -- pipeline ------------------------------------------------------------------------
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Pending:
+        """Send activations to the next stage: asynchronously, unless the blocking baseline
+        is on. The tensor must stay alive until ``wait``."""
+        start = time.perf_counter()
+        if self.blocking_sends:
+            _guard("send", lambda: dist.send(tensor, dst, tag=tag))
+            self.monitor.blocking("p2p", start, time.perf_counter())
+            return Pending(None, tensor)
+        work = _guard("isend", lambda: dist.isend(tensor, dst, tag=tag))
+        pending = Pending(work, tensor)
+        self._watcher.watch(pending, "p2p", start)
+        return pending
+
+    def recv(self, buffer: torch.Tensor, src: int, tag: int) -> Pending:
+        """Post a receive; ``wait()`` on it before reading ``buffer``."""
+        work = _guard("irecv", lambda: dist.irecv(buffer, src, tag=tag))
+        return Pending(work, buffer)
+
+    # -- control -------------------------------------------------------------------------
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's object to every rank (rank 0 passes it, the others pass None)."""
+        start = time.perf_counter()
+        box = [obj]
+        _guard("step-plan broadcast", lambda: dist.broadcast_object_list(box, src=0))
+        self.monitor.control(time.perf_counter() - start)
+        return box[0]
+
+    def send_object(self, obj: Any, dst: int) -> None:
+        start = time.perf_counter()
+        _guard("result send", lambda: dist.send_object_list([obj], dst=dst))
+        self.monitor.control(time.perf_counter() - start)
+
+    def recv_object(self, src: int) -> Any:
+        start = time.perf_counter()
+        box: list[Any] = [None]
+        _guard("result receive", lambda: dist.recv_object_list(box, src=src))
+        self.monitor.control(time.perf_counter() - start)
+        return box[0]
+
+    def gather_object(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` at rank 0, by rank (None on the others)."""
+        box: list[Any] | None = (
+            [None] * self.topology.world_size if self.topology.is_driver else None
+        )
+        _guard("gather", lambda: dist.gather_object(obj, box, dst=0))
+        return box
+
+    def min_int(self, value: int) -> int:
+        """The smallest of every rank's ``value``."""
+        tensor = torch.tensor([value], dtype=torch.long)
+        _guard("all-reduce", lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MIN))
+        return int(tensor.item())
+
+    def reduce_counters(self, counters: Counters) -> Counters | None:
+        """Sum every rank's counters at rank 0 (None on the others)."""
+        tensor = torch.tensor(counters.vector(), dtype=torch.float64)
+        _guard("counter reduce", lambda: dist.reduce(tensor, dst=0))
+        return Counters.from_vector(tensor.tolist()) if self.topology.is_driver else None
+
+    def close(self) -> None:
+        self._watcher.stop()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except (RuntimeError, ValueError) as exc:  # a peer already gone
+                log.debug("process group teardown: %s", exc)
+        if self._listener is not None:
+            self._listener.close()
+
+
+class Pending:
+    """An asynchronous send or receive; ``wait()`` returns once it completed."""
+
+    def __init__(self, work: Any, tensor: torch.Tensor) -> None:
+        self.work = work
+        self.tensor = tensor
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        if work is None:
+            self.done.set()
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None and not self.done.is_set():
+            if self._watched:
+                self.done.wait()
+            else:
+                _guard("receive", self.work.wait)
+                self.done.set()
+        if self.error is not None:
+            raise ParallelGroupError(f"send failed: {self.error}") from self.error
+        return self.tensor
+
+    _watched = False
+
+
+class _CompletionWatcher:
+    """Waits on asynchronous sends in a thread of its own, so each one's completion time is
+    known (gloo's work objects have no completion callbacks) without the compute thread
+    blocking on it."""
+
+    def __init__(self, monitor: OverlapMonitor) -> None:
+        self.monitor = monitor
+        self._queue: queue.SimpleQueue[tuple[Pending, str, float] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="brook-comm-watch", daemon=True)
+        self._thread.start()
+
+    def watch(self, pending: Pending, kind: str, start: float) -> None:
+        pending._watched = True
+        self._queue.put((pending, kind, start))
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            pending, kind, start = item
+            try:
+                pending.work.wait()
+            except BaseException as exc:  # reported to whoever waits on it
+                pending.error = exc
+            self.monitor.finished_async(kind, start, time.perf_counter())
+            pending.done.set()

@@ -1,0 +1,209 @@
+"""The overlap monitor: how much of the replica's communication its computation hides.
+
+Every rank records, per step, the intervals it spent computing and the lifetime of every
+communication it started (issue → completion). A blocking operation (the tensor-parallel
+all-reduce the next matmul needs) is exposed for all of its time. An asynchronous one (a
+pipeline stage's ``isend`` of activations) is exposed for the part of its lifetime that no
+computation of that rank overlapped:
+
+    exposed(op) = |lifetime(op) \\ compute intervals|        (blocking: |lifetime(op)|)
+    overlap     = 1 - Σ exposed / Σ total                     (1 when nothing was sent)
+
+Receives are not counted as communication: a stage waiting for its input is waiting for the
+stage before it to compute, which is the pipeline bubble, reported on its own as
+``bubble = 1 - Σ compute / (ranks × Σ step time)``. Control messages (rank 0's step plans,
+sampled tokens coming back) are timed by kind but left out of the ratio: they are the
+engine's own traffic, not the model's.
+
+Host clocks time the intervals; on accelerators, where kernels run asynchronously, the
+runner synchronizes the stream at the boundaries it times.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+#: Communication kinds; "control" stays out of the overlap ratio.
+KINDS = ("all_reduce", "all_gather", "p2p", "control")
+
+Interval = tuple[float, float]
+
+
+@dataclass
+class Counters:
+    """Running totals of one rank (or of the whole replica after a reduce), in seconds."""
+
+    comm_total: float = 0.0  # model communication, issue → completion
+    comm_exposed: float = 0.0
+    compute: float = 0.0
+    step_wall: float = 0.0  # rank 0 only: plan sent → tokens back
+    steps: float = 0.0
+    by_kind: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
+    stage_compute: list[float] = field(default_factory=lambda: [0.0])  # per pipeline stage
+
+    def vector(self) -> list[float]:
+        return [
+            self.comm_total,
+            self.comm_exposed,
+            self.compute,
+            self.step_wall,
+            self.steps,
+            *(self.by_kind[k] for k in KINDS),
+            *self.stage_compute,
+        ]
+
+    @classmethod
+    def from_vector(cls, values: list[float]) -> Counters:
+        total, exposed, compute, wall, steps = values[:5]
+        kinds = values[5 : 5 + len(KINDS)]
+        stages = list(values[5 + len(KINDS) :])
+        by_kind = dict(zip(KINDS, kinds, strict=True))
+        return cls(total, exposed, compute, wall, steps, by_kind, stages)
+
+    def minus(self, other: Counters) -> Counters:
+        return Counters.from_vector(
+            [a - b for a, b in zip(self.vector(), other.vector(), strict=True)]
+        )
+
+    @property
+    def overlap(self) -> float:
+        if self.comm_total <= 0:
+            return 1.0
+        return max(0.0, min(1.0, 1.0 - self.comm_exposed / self.comm_total))
+
+    def bubble(self, ranks: int) -> float:
+        """Share of the ranks' step time spent not computing."""
+        if self.step_wall <= 0:
+            return 0.0
+        return max(0.0, min(1.0, 1.0 - self.compute / (ranks * self.step_wall)))
+
+
+class OverlapMonitor:
+    """Collects one rank's intervals step by step; thread-safe for the completion watcher."""
+
+    def __init__(self, stage: int = 0, stages: int = 1) -> None:
+        self.totals = Counters(stage_compute=[0.0] * stages)
+        self.stage = stage
+        self._lock = threading.Lock()
+        self._compute: list[Interval] = []
+        self._blocking: list[tuple[str, Interval]] = []
+        self._async: list[tuple[str, Interval]] = []
+        self._control: list[float] = []
+
+    def compute(self, start: float, end: float) -> None:
+        self._compute.append((start, end))
+
+    def blocking(self, kind: str, start: float, end: float) -> None:
+        self._blocking.append((kind, (start, end)))
+
+    def finished_async(self, kind: str, start: float, end: float) -> None:
+        with self._lock:
+            self._async.append((kind, (start, end)))
+
+    def control(self, seconds: float) -> None:
+        self._control.append(seconds)
+
+    def end_step(self, wall: float = 0.0) -> None:
+        """Fold the step's intervals into the totals. Call once every asynchronous operation
+        of the step has completed."""
+        with self._lock:
+            asyncs, self._async = self._async, []
+        blocking = [span for _, span in self._blocking]
+        compute = _subtract(_union(self._compute), _union(blocking))
+        t = self.totals
+        t.compute += _length(compute)
+        t.stage_compute[self.stage] += _length(compute)
+        for kind, (start, end) in self._blocking:
+            t.comm_total += end - start
+            t.comm_exposed += end - start
+            t.by_kind[kind] += end - start
+        for kind, (start, end) in asyncs:
+            hidden = _length(_intersect([(start, end)], compute))
+            t.comm_total += end - start
+            t.comm_exposed += (end - start) - hidden
+            t.by_kind[kind] += end - start
+        t.by_kind["control"] += sum(self._control)
+        t.step_wall += wall
+        t.steps += 1
+        self._compute, self._blocking, self._control = [], [], []
+
+
+class Adaptation:
+    """Raise the micro-batches in flight while the overlap stays below the floor.
+
+    More micro-batches put more of a stage's sends behind its next micro-batch's compute
+    (with m micro-batches, only the last one's transfer has nothing to hide behind) and
+    shrink the bubble ((p - 1) / m); the price is smaller matrix multiplications. So the
+    count doubles only after ``patience`` consecutive windows below the floor, never past
+    ``ceiling``, and never comes down by itself (a load that dips would otherwise make it
+    oscillate).
+    """
+
+    def __init__(self, start: int, ceiling: int, floor: float = 0.7, patience: int = 2) -> None:
+        self.micro_batches = start
+        self.ceiling = max(start, ceiling)
+        self.floor = floor
+        self.patience = patience
+        self.history: deque[float] = deque(maxlen=patience)
+        self.changes: list[tuple[int, float]] = []  # (new count, overlap that caused it)
+
+    def observe(self, overlap: float, had_comm: bool) -> int:
+        if not had_comm:
+            return self.micro_batches
+        self.history.append(overlap)
+        if (
+            len(self.history) == self.patience
+            and max(self.history) < self.floor
+            and self.micro_batches < self.ceiling
+        ):
+            self.micro_batches = min(self.ceiling, 2 * self.micro_batches)
+            self.changes.append((self.micro_batches, overlap))
+            self.history.clear()
+        return self.micro_batches
+
+
+def _union(spans: list[Interval]) -> list[Interval]:
+    out: list[Interval] = []
+    for start, end in sorted(spans):
+        if end <= start:
+            continue
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def _intersect(a: list[Interval], b: list[Interval]) -> list[Interval]:
+    out: list[Interval] = []
+    for s1, e1 in a:
+        for s2, e2 in b:
+            start, end = max(s1, s2), min(e1, e2)
+            if start < end:
+                out.append((start, end))
+    return out
+
+
+def _subtract(a: list[Interval], b: list[Interval]) -> list[Interval]:
+    out: list[Interval] = []
+    for start, end in a:
+        pieces = [(start, end)]
+        for s2, e2 in b:
+            next_pieces = []
+            for s1, e1 in pieces:
+                if e2 <= s1 or s2 >= e1:
+                    next_pieces.append((s1, e1))
+                    continue
+                if s1 < s2:
+                    next_pieces.append((s1, s2))
+                if e2 < e1:
+                    next_pieces.append((e2, e1))
+            pieces = next_pieces
+        out.extend(pieces)
+    return out
+
+
+def _length(spans: list[Interval]) -> float:
+    return sum(end - start for start, end in spans)

@@ -1,0 +1,53 @@
+"""What rank 0 tells the other ranks each step (torch-free, pickled over the control
+channel): the sequences' new tokens, where their KV goes, who samples and how."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from brook_engine.sampling_params import SamplingParams
+
+PlanKind = Literal["step", "heartbeat", "stop"]
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """One sequence's share of a step."""
+
+    request_id: str
+    token_ids: list[int]  # the tokens computed this step
+    start: int  # position of the first of them
+    block_table: list[int]
+    samples: bool  # the chunk reaches the sequence's end: sample its next token
+    params: SamplingParams | None  # set when it samples
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    kind: PlanKind
+    chunks: list[SeqChunk] = field(default_factory=list)
+    micro_batches: int = 1
+    released: list[str] = field(default_factory=list)  # requests whose sampler state to drop
+    report: bool = False  # reduce the overlap counters at rank 0 after this step
+
+
+def split_micro_batches(chunks: list[SeqChunk], count: int) -> list[list[SeqChunk]]:
+    """Contiguous groups of about equal token counts (at most ``count``, none empty)."""
+    count = max(1, min(count, len(chunks)))
+    total = sum(len(c.token_ids) for c in chunks)
+    groups: list[list[SeqChunk]] = [[]]
+    seen = 0
+    for i, chunk in enumerate(chunks):
+        left_chunks = len(chunks) - i
+        left_groups = count - len(groups)
+        boundary = total * len(groups) / count
+        if groups[-1] and left_groups > 0 and (seen >= boundary or left_chunks <= left_groups):
+            groups.append([])
+        groups[-1].append(chunk)
+        seen += len(chunk.token_ids)
+    return groups

@@ -1,0 +1,181 @@
+"""Tensor and pipeline parallelism across real processes (gloo on loopback): every layout
+generates token for token what the single-process engine and transformers generate, for
+single requests and for a mixed batch with chunked prefill and preemption forced on.
+
+Each engine here is rank 0 in this process and starts its other ranks as worker processes,
+exactly as ``brook-engine serve`` does in a pod.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from brook_engine import LLM, SamplingParams
+
+EXACT_KV = {
+    "layer_policies": [{"start": 0.0, "end": 1.0, "dtype": "auto"}],
+    "dynamic_precision": {"enabled": False},
+}
+NEW_TOKENS = 32
+
+
+def _prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def _hf_greedy(folder: Path, prompts: list[list[int]], new: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    outs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            got = model.generate(
+                ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0
+            )
+            outs.append(got[0, len(prompt) :].tolist())
+    return outs
+
+
+def _engine(folder: Path, tensor: int, pipeline: int, **options: Any) -> LLM:
+    kv = {**EXACT_KV, **options.pop("kv_cache", {})}
+    return LLM(
+        str(folder),
+        dtype="float32",
+        device="cpu",
+        kv_cache=kv,
+        progress=False,
+        parallel={
+            "tensor": tensor,
+            "pipeline": pipeline,
+            "timeout_seconds": 60,
+            **options.pop("parallel", {}),
+        },
+        **options,
+    )
+
+
+def _run(llm: LLM, prompts: list[list[int]], logprobs: bool = False) -> list[Any]:
+    params = SamplingParams(
+        temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2 if logprobs else None
+    )
+    return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.fixture
+def engines() -> Iterator[list[LLM]]:
+    """Engines a test starts; their worker processes are stopped after it, pass or fail."""
+    started: list[LLM] = []
+    yield started
+    for llm in started:
+        llm.close()
+
+
+LAYOUTS = [
+    # (model, overrides, tensor, pipeline)
+    pytest.param("llama", {}, 2, 1, id="llama-tp2"),  # GQA 4:2, untied: 2 heads, 1 KV each
+    pytest.param("llama", {}, 1, 2, id="llama-pp2"),
+    pytest.param("llama", {}, 2, 2, id="llama-tp2xpp2"),
+    # qkv bias, tied embeddings split over the vocabulary, 3 query heads per rank
+    pytest.param("qwen2", {}, 2, 1, id="qwen2-tp2"),
+    # tied embeddings on a last stage that does not hold the embedding
+    pytest.param("qwen2", {}, 1, 2, id="qwen2-pp2"),
+    # MQA: one KV head, replicated on both ranks; an odd vocabulary padded on the last rank
+    pytest.param("llama", {"num_key_value_heads": 1, "vocab_size": 321}, 2, 1, id="llama-mqa-tp2"),
+    # sliding window, odd head count (5): pipeline only
+    pytest.param("mistral", {}, 1, 2, id="mistral-pp2"),
+]
+
+
+@pytest.mark.parametrize(("arch", "overrides", "tensor", "pipeline"), LAYOUTS)
+def test_parallel_greedy_matches_single_process_and_transformers(
+    arch: str,
+    overrides: dict[str, Any],
+    tensor: int,
+    pipeline: int,
+    make_tiny_model: Callable[..., Path],
+    engines: list[LLM],
+) -> None:
+    folder = make_tiny_model(arch, num_hidden_layers=4, **overrides)
+    vocab = 320 if "vocab_size" not in overrides else int(overrides["vocab_size"])
+    singles = _prompts(vocab, [9, 23], seed=1)
+    mixed = _prompts(vocab, [3, 38, 11, 25, 1, 17], seed=2)
+    reference = _hf_greedy(folder, singles, NEW_TOKENS)
+
+    baseline = LLM(str(folder), dtype="float32", device="cpu", kv_cache=EXACT_KV, progress=False)
+    base_single = [_run(baseline, [p], logprobs=True)[0] for p in singles]
+    base_mixed = _run(baseline, mixed)
+    assert [o.token_ids for o in base_single] == reference  # the baseline is right
+
+    parallel = _engine(folder, tensor, pipeline)
+    engines.append(parallel)
+    for prompt, base in zip(singles, base_single, strict=True):
+        out = _run(parallel, [prompt], logprobs=True)[0]
+        assert out.token_ids == base.token_ids
+        for mine, theirs in zip(out.logprobs, base.logprobs, strict=True):
+            assert mine[0] == pytest.approx(theirs[0], abs=1e-4)
+    assert [o.token_ids for o in _run(parallel, mixed)] == [o.token_ids for o in base_mixed]
+    engine = parallel.engine
+    engine.block_manager.check_invariants()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize(("tensor", "pipeline"), [(2, 1), (1, 2), (2, 2)])
+def test_mixed_batch_with_chunked_prefill_and_preemption(
+    tensor: int, pipeline: int, make_tiny_model: Callable[..., Path], engines: list[LLM]
+) -> None:
+    folder = make_tiny_model("llama", num_hidden_layers=4)
+    # 16-token budget: prompts are chunked; 14 blocks of 8 tokens cannot hold six sequences
+    # of up to 70 tokens, so sequences are preempted and recomputed.
+    options: dict[str, Any] = {
+        "kv_cache": {"num_blocks": 14, "block_size": 8},
+        "max_num_batched_tokens": 16,
+        "max_num_seqs": 8,
+        "max_model_len": 96,
+    }
+    prompts = _prompts(320, [3, 38, 11, 25, 1, 17], seed=3)
+    baseline = LLM(
+        str(folder),
+        dtype="float32",
+        device="cpu",
+        progress=False,
+        **{**options, "kv_cache": {**EXACT_KV, **options["kv_cache"]}},
+    )
+    expected = [o.token_ids for o in _run(baseline, prompts)]
+    assert baseline.engine.scheduler.num_preemptions_total > 0
+    parallel = _engine(folder, tensor, pipeline, **options)
+    engines.append(parallel)
+    got = [o.token_ids for o in _run(parallel, prompts)]
+    assert parallel.engine.scheduler.num_preemptions_total > 0
+    assert got == expected
+    assert parallel.engine.block_manager.num_free_blocks == 14
+
+
+def test_stage_split_override_and_overlap_counters(
+    make_tiny_model: Callable[..., Path], engines: list[LLM]
+) -> None:
+    """A configured split is honoured, and the pipeline's sends are timed: the replica
+    reports communication, a ratio in [0, 1] and compute on both stages."""
+    folder = make_tiny_model("llama", num_hidden_layers=4)
+    llm = _engine(folder, 1, 2, parallel={"stage_layers": [3, 1], "micro_batches": 4})
+    engines.append(llm)
+    runner = llm.engine.runner
+    assert (runner.layer_start, runner.layer_end) == (0, 3)
+    assert len(runner.model.model.layers) == 3
+    assert runner.model.lm_head is None  # the head lives on the last stage
+    prompts = _prompts(320, [20] * 8, seed=4)
+    for _ in range(3):  # enough steps for a report (every 8 steps)
+        _run(llm, prompts)
+    stats = llm.engine.stats()
+    assert stats.comm_seconds_total["p2p"] > 0
+    assert 0.0 <= stats.comm_compute_overlap <= 1.0
+    assert all(seconds > 0 for seconds in stats.stage_compute_seconds_total)
+    assert len(stats.stage_compute_seconds_total) == 2
+    assert stats.micro_batches == 4  # pinned: never adapted
