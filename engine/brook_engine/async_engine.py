@@ -187,9 +187,10 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             self._serve()
-        except ParallelGroupError as exc:
+        except ParallelGroupError as error:
             # The replica lost a rank: nothing more can run. End every request, say why,
             # and let the server exit non-zero (its /ready and /health fail meanwhile).
+            exc = self._cause(error)
             log.error("the replica failed: %s", exc)
             self.fatal = exc
             self._stopped = True
@@ -199,6 +200,15 @@ class AsyncEngine:
                 self._call_soon(self.on_fatal, exc)
         finally:
             self.engine.shutdown()
+
+    def _cause(self, error: ParallelGroupError) -> ParallelGroupError:
+        """A local worker's exit says more than the broken connection it caused."""
+        time.sleep(0.2)  # let a dying worker be reaped
+        try:
+            self.engine.check_workers()
+        except ParallelGroupError as exited:
+            return exited
+        return error
 
     def _serve(self) -> None:
         engine = self.engine

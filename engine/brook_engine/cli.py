@@ -156,12 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--workload",
-        choices=("random", "shared-prefix", "zipf-prefix", "long-context"),
+        choices=("random", "shared-prefix", "zipf-prefix", "long-context", "parallel"),
         default="random",
         help="random: --input-len/--output-len; shared-prefix: one 1,024-token system prompt "
         "+ 64-token questions, sharing off vs on; zipf-prefix: Zipf-popular prefixes with a "
         "cache of 20%% of them, LRU vs LFU; long-context: KV bytes per token and quality of "
-        "the default precision policy vs FP16",
+        "the default precision policy vs FP16; parallel: the random workload through one "
+        "device, PP=2 (micro-batches, async vs blocking sends, adaptive) and TP=2 on this "
+        "host's cores",
     )
     bench.add_argument("--concurrency", type=int, default=16, help="streams for --mode serve")
     bench.add_argument("--seed", type=int, default=0)

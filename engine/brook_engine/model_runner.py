@@ -137,6 +137,9 @@ class ModelRunner:
         self.micro_batches = Adaptation(start, config.parallel.micro_batches or 8 * topo.pipeline)
         self._released: list[str] = []
         self._steps = 0
+        #: Send activations with blocking calls instead of asynchronously: the baseline
+        #: ``brook-engine bench --workload parallel`` compares against.
+        self.blocking_sends = False
         self._reported = Counters()
         # Rank 0: summed over the ranks at the last report, and the window before it.
         self.replica_counters = Counters(stage_compute=[0.0] * topo.pipeline)
@@ -351,12 +354,21 @@ class ModelRunner:
             self.micro_batches.micro_batches,
             self._released,
             report=self._steps % REPORT_EVERY_STEPS == 0,
+            blocking_sends=self.blocking_sends,
         )
         self._released = []
         self.comm.broadcast_object(plan)
         results = self.run_plan(plan, wall_started=started)
         assert results is not None
         return results
+
+    def flush_counters(self) -> Counters:
+        """Rank 0: sum every rank's overlap counters now (not only every few steps)."""
+        if self.comm is not None:
+            plan = StepPlan("step", report=True, blocking_sends=self.blocking_sends)
+            self.comm.broadcast_object(plan)
+            self.run_plan(plan)
+        return self.replica_counters
 
     def heartbeat(self) -> None:
         """Tell the other ranks the replica is alive while it has nothing to run (their
@@ -386,7 +398,13 @@ class ModelRunner:
         """Run this rank's part of a step; rank 0 gets the sampled results (others None)."""
         for request_id in plan.released:
             self.generators.pop(request_id, None)
-        if plan.kind != "step" or not plan.chunks:
+        if self.comm is not None:
+            self.comm.blocking_sends = plan.blocking_sends
+        if plan.kind != "step":
+            return None
+        if not plan.chunks:
+            if plan.report:
+                self._finish_step(report=True)
             return None
         chunks = plan.chunks
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)

@@ -86,10 +86,12 @@ def start_server(
     drain_timeout: float = 30,
     host: str = "127.0.0.1",
     port: int | None = None,
+    env: dict[str, str] | None = None,
+    wait: bool = True,
     **sections: Any,
 ) -> ServerProcess:
     """A ready ``brook-engine serve`` on ``host`` (any loopback address) and ``port`` (a
-    free one by default)."""
+    free one by default); ``env`` adds to its environment; ``wait=False`` returns at once."""
     port = port or free_port()
     server: dict[str, Any] = {
         "host": host,
@@ -110,14 +112,16 @@ def start_server(
     config_path = folder / "engine.yaml"
     config_path.write_text(yaml.safe_dump(config))
     log_path = folder / "server.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen(
         [sys.executable, "-m", "brook_engine.cli", "serve", "--config", str(config_path)],
         stdout=log_path.open("wb"),
         stderr=subprocess.STDOUT,
-        env=env,
+        env=full_env,
     )
     handle = ServerProcess(proc, f"http://{host}:{port}", log_path, api_key)
+    if not wait:
+        return handle
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -34,6 +34,10 @@ def _cell(value: Any, fmt: str) -> str:
 
 
 def bench(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    if args.workload == "parallel":
+        from brook_engine.bench.parallel import bench_parallel
+
+        return bench_parallel(args, options)
     if args.workload != "random":
         return _bench_kv(args, options)
     if args.mode == "serve":

@@ -72,7 +72,7 @@ def placements(model: CausalLM, name: str, rows: int) -> list[Placement] | None:
         place = Placement(target or "", 0, end - start, 0, start, source_rows=arch.vocab_size)
         return [place] if target else _ELSEWHERE
     if name == "model.norm.weight":
-        return [Placement(name, 0, rows)] if model.model.norm is not None else _ELSEWHERE
+        return _replicated(model, name) if model.model.norm is not None else _ELSEWHERE
     layer = _LAYER.match(name)
     if layer is None:
         return None
@@ -105,7 +105,16 @@ def placements(model: CausalLM, name: str, rows: int) -> list[Placement] | None:
         if kind == "bias":
             return [Placement(param, 0, rows, zero=shard.tp_rank != 0)]
         return [Placement(param, 0, rows, 1, row_parallel[module])]
-    return [Placement(f"{prefix}{module}.{kind}", 0, rows)]
+    return _replicated(model, f"{prefix}{module}.{kind}")
+
+
+def _replicated(model: CausalLM, param: str) -> list[Placement] | None:
+    """A tensor every rank holding it keeps whole (norms): exactly the parameter's rows."""
+    try:
+        rows = model.get_parameter(param).shape[0]
+    except AttributeError:
+        return None
+    return [Placement(param, 0, rows)]
 
 
 def _read(f: Any, name: str, place: Placement, width: int) -> torch.Tensor:

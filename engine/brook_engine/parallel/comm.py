@@ -8,7 +8,9 @@ engine treats it as fatal.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import os
 import queue
 import socket
 import threading
@@ -51,6 +53,13 @@ def _guard(what: str, call: Callable[[], T]) -> T:
         raise ParallelGroupError(f"{what} failed: {exc}") from exc
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def _listen_socket(host: str, port: int) -> socket.socket:
     """Rank 0's store socket, bound to the rendezvous address only (torch's own store
     binds every interface)."""
@@ -77,6 +86,12 @@ class Communicator:
         self.monitor = OverlapMonitor(topology.stage, topology.pipeline)
         self.blocking_sends = False  # the benchmark's "blocking transfers" baseline
         timeout = timedelta(seconds=rendezvous.timeout_seconds)
+        if backend == "gloo" and _is_loopback(rendezvous.host):
+            # Every rank is on this host: keep gloo's own listeners off the network too.
+            for name in ("lo", "lo0"):
+                if os.path.exists(f"/sys/class/net/{name}"):
+                    os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
+                    break
         self._listener: socket.socket | None = None
         if topology.is_driver:
             self._listener = _listen_socket(rendezvous.host, rendezvous.port)

@@ -34,10 +34,13 @@ class StepPlan:
     micro_batches: int = 1
     released: list[str] = field(default_factory=list)  # requests whose sampler state to drop
     report: bool = False  # reduce the overlap counters at rank 0 after this step
+    blocking_sends: bool = False  # send activations synchronously (a benchmark baseline)
 
 
 def split_micro_batches(chunks: list[SeqChunk], count: int) -> list[list[SeqChunk]]:
     """Contiguous groups of about equal token counts (at most ``count``, none empty)."""
+    if not chunks:
+        return []
     count = max(1, min(count, len(chunks)))
     total = sum(len(c.token_ids) for c in chunks)
     groups: list[list[SeqChunk]] = [[]]

@@ -1,0 +1,167 @@
+"""``brook-engine bench --workload parallel``: the same batch run through several replica
+layouts on this host's cores, each core standing in for one device.
+
+Rows: one process (one device); PP=2 with 1, 2, 4 and 8 micro-batches and asynchronous
+sends; PP=2 with 4 micro-batches and blocking sends (the baseline asynchrony is measured
+against); PP=2 left to the overlap monitor, starting from one micro-batch; TP=2. Per row:
+throughput, the replica's overlap ratio (``parallel.overlap``), its measured bubble next to
+GPipe's formula, and communication time by kind. Summary: PP=2 throughput over PP=1 and the
+TP scaling efficiency, throughput / (TP × one-device throughput), at the smallest TP degree
+the model's head counts allow (2 for most models, 3 for SmolLM2's 9 heads).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from brook_engine.bench.run import run_engine
+from brook_engine.bench.workload import Workload, parse_length, random_workload
+from brook_engine.llm import engine_config_from_options
+from brook_engine.llm_engine import LLMEngine
+from brook_engine.parallel.overlap import Adaptation
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    tensor: int = 1
+    pipeline: int = 1
+    micro_batches: int | None = None
+    blocking: bool = False
+    adaptive_from: int | None = None  # unpinned, the monitor starting from this many
+
+
+def tensor_degree(heads: int, kv_heads: int, intermediate: int) -> int:
+    """The smallest tensor-parallel degree above 1 the model's shape allows."""
+    for t in range(2, heads + 1):
+        if heads % t == 0 and intermediate % t == 0 and (kv_heads % t == 0 or t % kv_heads == 0):
+            return t
+    return 1
+
+
+PP_LAYOUTS = (
+    Layout("1 device"),
+    Layout("PP=2 m=1", pipeline=2, micro_batches=1),
+    Layout("PP=2 m=2", pipeline=2, micro_batches=2),
+    Layout("PP=2 m=4", pipeline=2, micro_batches=4),
+    Layout("PP=2 m=8", pipeline=2, micro_batches=8),
+    Layout("PP=2 m=4 blocking", pipeline=2, micro_batches=4, blocking=True),
+    Layout("PP=2 adaptive from m=1", pipeline=2, adaptive_from=1),
+)
+
+
+@dataclass
+class Row:
+    layout: str
+    total_tok_s: float
+    output_tok_s: float
+    elapsed_s: float
+    overlap: float | None = None
+    exposed_comm_s: float | None = None
+    comm_s: dict[str, float] = field(default_factory=dict)
+    bubble: float | None = None
+    bubble_formula: float | None = None  # (p - 1) / (m + p - 1): share of the step idle
+    bubble_over_compute_formula: float | None = None  # (p - 1) / m
+    micro_batches: int | None = None
+
+
+def _run_layout(
+    layout: Layout, model: str, options: dict[str, Any], workload: Workload, per_device: int
+) -> Row:
+    parallel: dict[str, Any] = {"tensor": layout.tensor, "pipeline": layout.pipeline}
+    if layout.micro_batches is not None:
+        parallel["micro_batches"] = layout.micro_batches
+    config = engine_config_from_options(model, {**options, "parallel": parallel})
+    world = layout.tensor * layout.pipeline
+    torch.set_num_threads(per_device * world)  # rank 0 keeps its share; workers take theirs
+    engine = LLMEngine(config, progress=False)
+    try:
+        runner = engine.runner
+        if layout.adaptive_from is not None:
+            runner.micro_batches = Adaptation(layout.adaptive_from, 8 * layout.pipeline)
+        runner.blocking_sends = layout.blocking
+        engine.warm_up()
+        before = runner.flush_counters()
+        report = run_engine(engine, workload, "batch", progress=False)
+        row = Row(layout.name, report.total_tok_s, report.output_tok_s, report.elapsed_s)
+        if engine.is_distributed:
+            window = runner.flush_counters().minus(before)
+            p = layout.pipeline
+            m = runner.micro_batches.micro_batches
+            row.overlap = window.overlap
+            row.exposed_comm_s = window.comm_exposed
+            row.comm_s = {k: v for k, v in window.by_kind.items() if v > 0}
+            row.bubble = window.bubble(world)
+            row.micro_batches = m
+            if p > 1:
+                row.bubble_formula = (p - 1) / (m + p - 1)
+                row.bubble_over_compute_formula = (p - 1) / m
+        return row
+    finally:
+        engine.shutdown()
+
+
+def bench_parallel(args: Any, options: dict[str, Any]) -> int:
+    options = {"device": "cpu", **options}
+    probe = LLMEngine(engine_config_from_options(args.model, options), progress=False)
+    arch = probe.arch
+    tp = tensor_degree(arch.num_heads, arch.num_kv_heads, arch.intermediate_size)
+    layouts = [*PP_LAYOUTS, Layout(f"TP={tp}", tensor=tp)] if tp > 1 else list(PP_LAYOUTS)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    per_device = max(1, (cores or 1) // max(2, tp))
+    workload = random_workload(
+        args.num_requests,
+        parse_length(args.input_len),
+        parse_length(args.output_len),
+        probe.arch.vocab_size,
+        probe.tokenizer.special_ids | set(probe.eos_token_ids),
+        seed=args.seed,
+    )
+    del probe
+    rows: list[Row] = []
+    for layout in layouts:
+        if not args.json:
+            print(f"running {layout.name} ...", flush=True)
+        rows.append(_run_layout(layout, args.model, options, workload, per_device))
+    single = rows[0].total_tok_s
+    by_name = {row.layout: row for row in rows}
+    summary = {
+        "threads_per_device": per_device,
+        "requests": len(workload.prompts),
+        "pp2_m4_over_one_device": by_name["PP=2 m=4"].total_tok_s / single,
+        "tensor_degree": tp,
+        "tp_scaling_efficiency": (
+            by_name[f"TP={tp}"].total_tok_s / (tp * single) if tp > 1 else None
+        ),
+        "overlap_async_m4": by_name["PP=2 m=4"].overlap,
+        "overlap_blocking_m4": by_name["PP=2 m=4 blocking"].overlap,
+    }
+    if args.json:
+        print(json.dumps({"rows": [row.__dict__ for row in rows], "summary": summary}, indent=2))
+        return 0
+    header = (
+        f"{'layout':<24}{'total tok/s':>12}{'overlap':>9}{'exposed s':>10}{'bubble':>8}"
+        f"{'(p-1)/(m+p-1)':>15}{'m':>4}  comm s by kind"
+    )
+    print(header)
+    for r in rows:
+        comm = ", ".join(f"{k} {v:.2f}" for k, v in r.comm_s.items())
+        print(
+            f"{r.layout:<24}{r.total_tok_s:>12.1f}{_f(r.overlap):>9}{_f(r.exposed_comm_s):>10}"
+            f"{_f(r.bubble):>8}{_f(r.bubble_formula):>15}{r.micro_batches or '-':>4}  {comm}"
+        )
+    print(
+        f"PP=2 (m=4) / one device: {summary['pp2_m4_over_one_device']:.2f}×; TP={tp} scaling "
+        f"efficiency (throughput / ({tp} × one device)): "
+        f"{_f(summary['tp_scaling_efficiency'])} ({per_device} thread(s) per device)"
+    )
+    return 0
+
+
+def _f(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
