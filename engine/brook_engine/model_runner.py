@@ -132,9 +132,15 @@ class ModelRunner:
         policy = config.kv_cache.layer_dtypes(arch.num_layers)
         self.layer_kinds: list[KVDType] = policy[self.layer_start : self.layer_end]
         self.calibration: Calibration | None = None
-        # Micro-batches only pay off between pipeline stages; a single stage runs whole steps.
-        start = config.parallel.micro_batches or (2 * topo.pipeline if topo.pipeline > 1 else 1)
-        self.micro_batches = Adaptation(start, config.parallel.micro_batches or 8 * topo.pipeline)
+        # Pipeline: micro-batches keep the stages busy and hide the sends. Tensor parallel
+        # alone: two micro-batches, interleaved, hide the all-reduces; more only shrink the
+        # matrix multiplications. One device: nothing to hide.
+        pinned = config.parallel.micro_batches
+        if topo.pipeline > 1:
+            start, ceiling = 2 * topo.pipeline, 8 * topo.pipeline
+        else:
+            start, ceiling = 1, 2 if topo.tensor > 1 else 1
+        self.micro_batches = Adaptation(pinned or start, pinned or ceiling)
         self._released: list[str] = []
         self._steps = 0
         #: Send activations with blocking calls instead of asynchronously: the baseline
@@ -424,7 +430,8 @@ class ModelRunner:
             elif topo.is_driver:
                 results = self.comm.recv_object(topo.sampler_rank)
         wall = time.perf_counter() - wall_started if wall_started is not None else 0.0
-        self._finish_step(wall, plan.report)
+        tokens = sum(len(c.token_ids) for c in chunks) if wall_started is not None else 0
+        self._finish_step(wall, plan.report, tokens)
         return results
 
     def _run_stage(self, prepared: list[_Prepared], sample: bool) -> dict[int, SampleResult] | None:
@@ -442,7 +449,24 @@ class ModelRunner:
                 receives.append(comm.recv(buffer, topo.prev_rank, tag=i))
         sends: list[Pending] = []
         logits: list[torch.Tensor] = []
-        for i, prep in enumerate(prepared):
+        stage_loop = prepared
+        if comm is not None and topo.tensor > 1 and topo.pipeline == 1 and len(prepared) > 1:
+            # Tensor parallel alone: interleave the micro-batches so each one's all-reduces
+            # run behind the next one's compute.
+            start = time.perf_counter()
+            hiddens = self.model.forward_interleaved(
+                [(p.input_ids, p.positions, p.meta) for p in prepared],
+                self.rotary,
+                self.caches,
+                comm.all_reduce_async,
+            )
+            for prep, hidden in zip(prepared, hiddens, strict=True):
+                if sample and prep.samplers:
+                    logits.append(self.model.compute_logits(hidden[prep.last_rows]))
+            self.backend.synchronize()
+            comm.monitor.compute(start, time.perf_counter())
+            stage_loop = []
+        for i, prep in enumerate(stage_loop):
             inputs = receives[i].wait() if receives else prep.input_ids
             start = time.perf_counter()
             hidden = self.model(inputs, prep.positions, self.rotary, self.caches, prep.meta)
@@ -475,10 +499,10 @@ class ModelRunner:
             for row, (index, _) in enumerate(samplers)
         }
 
-    def _finish_step(self, wall: float = 0.0, report: bool = False) -> None:
+    def _finish_step(self, wall: float = 0.0, report: bool = False, tokens: int = 0) -> None:
         if self.comm is None:
             return
-        self.comm.monitor.end_step(wall)
+        self.comm.monitor.end_step(wall, tokens)
         if not report:
             return
         totals = self.comm.monitor.totals
@@ -487,16 +511,20 @@ class ModelRunner:
             window = summed.minus(self.replica_counters)
             self.replica_counters = summed
             self.window = window
-            if self.config.parallel.micro_batches is None and self.topology.pipeline > 1:
-                before = self.micro_batches.micro_batches
-                after = self.micro_batches.observe(window.overlap, window.comm_total > 0)
-                if after != before:
+            if self.config.parallel.micro_batches is None:
+                adapt = self.micro_batches
+                kept, settled = len(adapt.changes), adapt.settled
+                adapt.observe(window.overlap, window.comm_total > 0, window.tokens_per_second)
+                if len(adapt.changes) > kept:
                     log.info(
-                        "overlap %.2f below %.2f: micro-batches %d → %d",
-                        window.overlap,
-                        self.micro_batches.floor,
-                        before,
-                        after,
+                        "overlap %.2f below %.2f: %d micro-batches from now on",
+                        adapt.changes[-1][1],
+                        adapt.floor,
+                        adapt.micro_batches,
+                    )
+                elif adapt.settled and not settled:
+                    log.info(
+                        "more micro-batches cost throughput: staying at %d", adapt.micro_batches
                     )
 
     @torch.inference_mode()

@@ -127,9 +127,22 @@ def test_parallel_greedy_matches_single_process_and_transformers(
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-@pytest.mark.parametrize(("tensor", "pipeline"), [(2, 1), (1, 2), (2, 2)])
+@pytest.mark.parametrize(
+    ("tensor", "pipeline", "micro_batches"),
+    [
+        pytest.param(2, 1, None, id="tp2"),
+        pytest.param(2, 1, 2, id="tp2-interleaved"),  # all-reduces behind the other half
+        pytest.param(1, 2, None, id="pp2"),
+        pytest.param(1, 2, 3, id="pp2-m3"),
+        pytest.param(2, 2, None, id="tp2xpp2"),
+    ],
+)
 def test_mixed_batch_with_chunked_prefill_and_preemption(
-    tensor: int, pipeline: int, make_tiny_model: Callable[..., Path], engines: list[LLM]
+    tensor: int,
+    pipeline: int,
+    micro_batches: int | None,
+    make_tiny_model: Callable[..., Path],
+    engines: list[LLM],
 ) -> None:
     folder = make_tiny_model("llama", num_hidden_layers=4)
     # 16-token budget: prompts are chunked; 14 blocks of 8 tokens cannot hold six sequences
@@ -150,9 +163,13 @@ def test_mixed_batch_with_chunked_prefill_and_preemption(
     )
     expected = [o.token_ids for o in _run(baseline, prompts)]
     assert baseline.engine.scheduler.num_preemptions_total > 0
-    parallel = _engine(folder, tensor, pipeline, **options)
+    parallel = _engine(
+        folder, tensor, pipeline, parallel={"micro_batches": micro_batches}, **options
+    )
     engines.append(parallel)
     got = [o.token_ids for o in _run(parallel, prompts)]
+    if micro_batches is not None:  # pinned: the schedule ran as asked, never adapted
+        assert parallel.engine.runner.micro_batches.micro_batches == micro_batches
     assert parallel.engine.scheduler.num_preemptions_total > 0
     assert got == expected
     assert parallel.engine.block_manager.num_free_blocks == 14

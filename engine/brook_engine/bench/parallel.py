@@ -50,6 +50,7 @@ PP_LAYOUTS = (
     Layout("PP=2 m=2", pipeline=2, micro_batches=2),
     Layout("PP=2 m=4", pipeline=2, micro_batches=4),
     Layout("PP=2 m=8", pipeline=2, micro_batches=8),
+    Layout("PP=2 m=8 blocking", pipeline=2, micro_batches=8, blocking=True),
     Layout("PP=2 m=4 blocking", pipeline=2, micro_batches=4, blocking=True),
     Layout("PP=2 adaptive from m=1", pipeline=2, adaptive_from=1),
 )
@@ -83,7 +84,8 @@ def _run_layout(
     try:
         runner = engine.runner
         if layout.adaptive_from is not None:
-            runner.micro_batches = Adaptation(layout.adaptive_from, 8 * layout.pipeline)
+            ceiling = 8 * layout.pipeline if layout.pipeline > 1 else 2
+            runner.micro_batches = Adaptation(layout.adaptive_from, ceiling)
         runner.blocking_sends = layout.blocking
         engine.warm_up()
         before = runner.flush_counters()
@@ -111,9 +113,18 @@ def bench_parallel(args: Any, options: dict[str, Any]) -> int:
     probe = LLMEngine(engine_config_from_options(args.model, options), progress=False)
     arch = probe.arch
     tp = tensor_degree(arch.num_heads, arch.num_kv_heads, arch.intermediate_size)
-    layouts = [*PP_LAYOUTS, Layout(f"TP={tp}", tensor=tp)] if tp > 1 else list(PP_LAYOUTS)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    per_device = max(1, (cores or 1) // max(2, tp))
+    cores = cores or 1
+    layouts = list(PP_LAYOUTS)
+    if 1 < tp <= cores:
+        layouts += [
+            Layout(f"TP={tp} m=1", tensor=tp, micro_batches=1),
+            Layout(f"TP={tp} m=2 interleaved", tensor=tp, micro_batches=2),
+            Layout(f"TP={tp} adaptive from m=1", tensor=tp, adaptive_from=1),
+        ]
+    elif tp > cores and not args.json:
+        print(f"TP skipped: this model needs TP={tp}, more than this host's {cores} cores")
+    per_device = max(1, cores // 2)
     workload = random_workload(
         args.num_requests,
         parse_length(args.input_len),
@@ -136,7 +147,14 @@ def bench_parallel(args: Any, options: dict[str, Any]) -> int:
         "pp2_m4_over_one_device": by_name["PP=2 m=4"].total_tok_s / single,
         "tensor_degree": tp,
         "tp_scaling_efficiency": (
-            by_name[f"TP={tp}"].total_tok_s / (tp * single) if tp > 1 else None
+            by_name[f"TP={tp} m=1"].total_tok_s / (tp * single)
+            if f"TP={tp} m=1" in by_name
+            else None
+        ),
+        "tp_scaling_efficiency_interleaved": (
+            by_name[f"TP={tp} m=2 interleaved"].total_tok_s / (tp * single)
+            if f"TP={tp} m=1" in by_name
+            else None
         ),
         "overlap_async_m4": by_name["PP=2 m=4"].overlap,
         "overlap_blocking_m4": by_name["PP=2 m=4 blocking"].overlap,
@@ -158,7 +176,8 @@ def bench_parallel(args: Any, options: dict[str, Any]) -> int:
     print(
         f"PP=2 (m=4) / one device: {summary['pp2_m4_over_one_device']:.2f}×; TP={tp} scaling "
         f"efficiency (throughput / ({tp} × one device)): "
-        f"{_f(summary['tp_scaling_efficiency'])} ({per_device} thread(s) per device)"
+        f"{_f(summary['tp_scaling_efficiency'])}, interleaved "
+        f"{_f(summary['tp_scaling_efficiency_interleaved'])} ({per_device} thread(s) per device)"
     )
     return 0
 

@@ -9,6 +9,9 @@ embedding on the first stage and the final norm and LM head on the last.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,6 +30,12 @@ from brook_engine.models.arch import ModelArch
 
 #: cos and sin of the step's positions, [tokens, 1, head_dim] each
 Rotary = tuple[torch.Tensor, torch.Tensor]
+
+
+class Reduction(Protocol):
+    """An all-reduce in flight."""
+
+    def wait(self) -> torch.Tensor: ...
 
 
 class Attention(nn.Module):
@@ -53,11 +62,13 @@ class Attention(nn.Module):
         rotary: Rotary,
         cache: LayerKVCache,
         meta: AttentionMetadata,
+        reduce: bool = True,
     ) -> torch.Tensor:
+        """The attention output; this rank's partial sum when ``reduce`` is False."""
         q, k, v = self.project(x, rotary)
         out = paged_attention(q, k, v, cache, meta, self.scale)
         out = self.o_proj(out.reshape(x.shape[0], self.q_size))
-        return out if self.comm is None else self.comm.all_reduce(out)
+        return out if self.comm is None or not reduce else self.comm.all_reduce(out)
 
     def project(
         self, x: torch.Tensor, rotary: Rotary
@@ -85,10 +96,10 @@ class MLP(nn.Module):
         )
         self.comm = comm if shard.tp_size > 1 else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         out = self.down_proj(F.silu(gate) * up)
-        return out if self.comm is None else self.comm.all_reduce(out)
+        return out if self.comm is None or not reduce else self.comm.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
@@ -110,6 +121,20 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rotary, cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))  # type: ignore[no-any-return]
+
+    def partial(
+        self,
+        part: int,
+        x: torch.Tensor,
+        rotary: Rotary,
+        cache: LayerKVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """This rank's unreduced attention (``part`` 0) or MLP (1) output for residual ``x``."""
+        if part == 0:
+            normed = self.input_layernorm(x)
+            return self.self_attn(normed, rotary, cache, meta, reduce=False)  # type: ignore[no-any-return]
+        return self.mlp(self.post_attention_layernorm(x), reduce=False)  # type: ignore[no-any-return]
 
 
 class Decoder(nn.Module):
@@ -175,6 +200,35 @@ class CausalLM(nn.Module):
             x = layer(x, cos_sin, cache, meta)
         norm = self.model.norm
         return norm(x) if norm is not None else x
+
+    def forward_interleaved(
+        self,
+        batches: list[tuple[torch.Tensor, torch.Tensor, AttentionMetadata]],
+        rotary: RotaryEmbedding,
+        caches: list[LayerKVCache],
+        reduce_async: Callable[[torch.Tensor], Reduction],
+    ) -> list[torch.Tensor]:
+        """Several micro-batches (inputs, positions, metadata) layer by layer, so that each
+        one's tensor-parallel all-reduce is in flight while the next one computes: attention
+        of micro-batch 1 hides the reduction of micro-batch 0's attention, and so on. The
+        sums are the same as ``forward``'s, in the same order."""
+        embed = self.model.embed_tokens
+        xs = [embed(inputs) if embed is not None else inputs for inputs, _, _ in batches]
+        rotations = [rotary.lookup(positions) for _, positions, _ in batches]
+        pending: list[Reduction | None] = [None] * len(batches)
+        for layer, cache in zip(self.model.layers, caches, strict=True):
+            for part in (0, 1):
+                for i, (_, _, meta) in enumerate(batches):
+                    reduction = pending[i]
+                    if reduction is not None:
+                        xs[i] = xs[i] + reduction.wait()
+                    out = layer.partial(part, xs[i], rotations[i], cache, meta)  # type: ignore[operator]
+                    pending[i] = reduce_async(out)
+        for i, reduction in enumerate(pending):
+            if reduction is not None:
+                xs[i] = xs[i] + reduction.wait()
+        norm = self.model.norm
+        return [norm(x) if norm is not None else x for x in xs]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[sequences, hidden] → float32 logits [sequences, vocab] (last stage only)."""

@@ -124,6 +124,13 @@ class Communicator:
             self._listener.detach()  # the store owns the descriptor now
             self._listener = None
         # Every rank creates every stage's group, in the same order (torch requires it).
+        # Step plans, sampled tokens and counters are host objects: on accelerators they go
+        # over a gloo group of their own (NCCL/HCCL move device tensors only).
+        self.control_group: Any = (
+            None
+            if backend == "gloo"
+            else dist.new_group(list(range(topology.world_size)), timeout=timeout, backend="gloo")
+        )
         self.tp_group: Any = None
         for stage in range(topology.pipeline):
             group = dist.new_group(topology.stage_ranks(stage), timeout=timeout)
@@ -158,16 +165,23 @@ class Communicator:
         if self.blocking_sends:
             _guard("send", lambda: dist.send(tensor, dst, tag=tag))
             self.monitor.blocking("p2p", start, time.perf_counter())
-            return Pending(None, tensor)
-        work = _guard("isend", lambda: dist.isend(tensor, dst, tag=tag))
-        pending = Pending(work, tensor)
-        self._watcher.watch(pending, "p2p", start)
-        return pending
+            return Pending(None, tensor, None)
+        return self._watcher.submit("p2p", lambda: dist.isend(tensor, dst, tag=tag), tensor)
+
+    def all_reduce_async(self, tensor: torch.Tensor) -> Pending:
+        """Start summing ``tensor`` over the stage's tensor-parallel ranks; ``wait()`` gives
+        it back reduced. Every asynchronous operation is issued by one communication
+        thread, in submission order, so all ranks issue the same collectives in the same
+        order."""
+        group = self.tp_group
+        return self._watcher.submit(
+            "all_reduce", lambda: dist.all_reduce(tensor, group=group, async_op=True), tensor
+        )
 
     def recv(self, buffer: torch.Tensor, src: int, tag: int) -> Pending:
         """Post a receive; ``wait()`` on it before reading ``buffer``."""
         work = _guard("irecv", lambda: dist.irecv(buffer, src, tag=tag))
-        return Pending(work, buffer)
+        return Pending(work, buffer, None)
 
     # -- control -------------------------------------------------------------------------
 
@@ -175,19 +189,26 @@ class Communicator:
         """Rank 0's object to every rank (rank 0 passes it, the others pass None)."""
         start = time.perf_counter()
         box = [obj]
-        _guard("step-plan broadcast", lambda: dist.broadcast_object_list(box, src=0))
+        _guard(
+            "step-plan broadcast",
+            lambda: dist.broadcast_object_list(box, src=0, group=self.control_group),
+        )
         self.monitor.control(time.perf_counter() - start)
         return box[0]
 
     def send_object(self, obj: Any, dst: int) -> None:
         start = time.perf_counter()
-        _guard("result send", lambda: dist.send_object_list([obj], dst=dst))
+        _guard(
+            "result send", lambda: dist.send_object_list([obj], dst=dst, group=self.control_group)
+        )
         self.monitor.control(time.perf_counter() - start)
 
     def recv_object(self, src: int) -> Any:
         start = time.perf_counter()
         box: list[Any] = [None]
-        _guard("result receive", lambda: dist.recv_object_list(box, src=src))
+        _guard(
+            "result receive", lambda: dist.recv_object_list(box, src=src, group=self.control_group)
+        )
         self.monitor.control(time.perf_counter() - start)
         return box[0]
 
@@ -196,19 +217,22 @@ class Communicator:
         box: list[Any] | None = (
             [None] * self.topology.world_size if self.topology.is_driver else None
         )
-        _guard("gather", lambda: dist.gather_object(obj, box, dst=0))
+        _guard("gather", lambda: dist.gather_object(obj, box, dst=0, group=self.control_group))
         return box
 
     def min_int(self, value: int) -> int:
         """The smallest of every rank's ``value``."""
         tensor = torch.tensor([value], dtype=torch.long)
-        _guard("all-reduce", lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MIN))
+        _guard(
+            "all-reduce",
+            lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.control_group),
+        )
         return int(tensor.item())
 
     def reduce_counters(self, counters: Counters) -> Counters | None:
         """Sum every rank's counters at rank 0 (None on the others)."""
         tensor = torch.tensor(counters.vector(), dtype=torch.float64)
-        _guard("counter reduce", lambda: dist.reduce(tensor, dst=0))
+        _guard("counter reduce", lambda: dist.reduce(tensor, dst=0, group=self.control_group))
         return Counters.from_vector(tensor.tolist()) if self.topology.is_driver else None
 
     def close(self) -> None:
@@ -223,52 +247,62 @@ class Communicator:
 
 
 class Pending:
-    """An asynchronous send or receive; ``wait()`` returns once it completed."""
+    """An asynchronous send, receive or all-reduce; ``wait()`` returns its tensor once it
+    completed. Time spent waiting is reported to the monitor (not compute)."""
 
-    def __init__(self, work: Any, tensor: torch.Tensor) -> None:
+    def __init__(
+        self, work: Any, tensor: torch.Tensor, monitor: OverlapMonitor | None = None
+    ) -> None:
         self.work = work
         self.tensor = tensor
+        self.monitor = monitor
         self.done = threading.Event()
         self.error: BaseException | None = None
-        if work is None:
+        self.watched = False
+        if work is None and monitor is None:
             self.done.set()
 
     def wait(self) -> torch.Tensor:
-        if self.work is not None and not self.done.is_set():
-            if self._watched:
+        if not self.done.is_set():
+            start = time.perf_counter()
+            if self.watched:
                 self.done.wait()
             else:
                 _guard("receive", self.work.wait)
                 self.done.set()
+            if self.monitor is not None:
+                self.monitor.waited(start, time.perf_counter())
         if self.error is not None:
-            raise ParallelGroupError(f"send failed: {self.error}") from self.error
+            raise ParallelGroupError(f"communication failed: {self.error}") from self.error
         return self.tensor
-
-    _watched = False
 
 
 class _CompletionWatcher:
-    """Waits on asynchronous sends in a thread of its own, so each one's completion time is
-    known (gloo's work objects have no completion callbacks) without the compute thread
-    blocking on it."""
+    """The communication thread: issues every asynchronous operation (so issuing costs the
+    compute thread nothing) and waits on it, so each one's completion time is known (gloo's
+    work objects have no completion callbacks)."""
 
     def __init__(self, monitor: OverlapMonitor) -> None:
         self.monitor = monitor
-        self._queue: queue.SimpleQueue[tuple[Pending, str, float] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="brook-comm-watch", daemon=True)
+        self._queue: queue.SimpleQueue[tuple[Pending, str, float, Callable[[], Any]] | None]
+        self._queue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="brook-comm", daemon=True)
         self._thread.start()
 
-    def watch(self, pending: Pending, kind: str, start: float) -> None:
-        pending._watched = True
-        self._queue.put((pending, kind, start))
+    def submit(self, kind: str, issue: Callable[[], Any], tensor: torch.Tensor) -> Pending:
+        pending = Pending(None, tensor, self.monitor)
+        pending.watched = True
+        self._queue.put((pending, kind, time.perf_counter(), issue))
+        return pending
 
     def stop(self) -> None:
         self._queue.put(None)
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            pending, kind, start = item
+            pending, kind, start, issue = item
             try:
+                pending.work = issue()
                 pending.work.wait()
             except BaseException as exc:  # reported to whoever waits on it
                 pending.error = exc

@@ -42,6 +42,7 @@ class Counters:
     steps: float = 0.0
     by_kind: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
     stage_compute: list[float] = field(default_factory=lambda: [0.0])  # per pipeline stage
+    tokens: float = 0.0  # rank 0: tokens the steps computed
 
     def vector(self) -> list[float]:
         return [
@@ -51,6 +52,7 @@ class Counters:
             self.step_wall,
             self.steps,
             *(self.by_kind[k] for k in KINDS),
+            self.tokens,
             *self.stage_compute,
         ]
 
@@ -58,9 +60,10 @@ class Counters:
     def from_vector(cls, values: list[float]) -> Counters:
         total, exposed, compute, wall, steps = values[:5]
         kinds = values[5 : 5 + len(KINDS)]
-        stages = list(values[5 + len(KINDS) :])
+        tokens = values[5 + len(KINDS)]
+        stages = list(values[6 + len(KINDS) :])
         by_kind = dict(zip(KINDS, kinds, strict=True))
-        return cls(total, exposed, compute, wall, steps, by_kind, stages)
+        return cls(total, exposed, compute, wall, steps, by_kind, stages, tokens)
 
     def minus(self, other: Counters) -> Counters:
         return Counters.from_vector(
@@ -72,6 +75,10 @@ class Counters:
         if self.comm_total <= 0:
             return 1.0
         return max(0.0, min(1.0, 1.0 - self.comm_exposed / self.comm_total))
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        return self.tokens / self.step_wall if self.step_wall > 0 else None
 
     def bubble(self, ranks: int) -> float:
         """Share of the ranks' step time spent not computing."""
@@ -89,11 +96,17 @@ class OverlapMonitor:
         self._lock = threading.Lock()
         self._compute: list[Interval] = []
         self._blocking: list[tuple[str, Interval]] = []
+        self._waits: list[Interval] = []
         self._async: list[tuple[str, Interval]] = []
         self._control: list[float] = []
 
     def compute(self, start: float, end: float) -> None:
         self._compute.append((start, end))
+
+    def waited(self, start: float, end: float) -> None:
+        """The compute thread waited this long for an asynchronous operation: not compute,
+        and not communication time of its own (the operation's lifetime already counts)."""
+        self._waits.append((start, end))
 
     def blocking(self, kind: str, start: float, end: float) -> None:
         self._blocking.append((kind, (start, end)))
@@ -105,13 +118,13 @@ class OverlapMonitor:
     def control(self, seconds: float) -> None:
         self._control.append(seconds)
 
-    def end_step(self, wall: float = 0.0) -> None:
+    def end_step(self, wall: float = 0.0, tokens: int = 0) -> None:
         """Fold the step's intervals into the totals. Call once every asynchronous operation
         of the step has completed."""
         with self._lock:
             asyncs, self._async = self._async, []
         blocking = [span for _, span in self._blocking]
-        compute = _subtract(_union(self._compute), _union(blocking))
+        compute = _subtract(_union(self._compute), _union(blocking + self._waits))
         t = self.totals
         t.compute += _length(compute)
         t.stage_compute[self.stage] += _length(compute)
@@ -126,41 +139,98 @@ class OverlapMonitor:
             t.by_kind[kind] += end - start
         t.by_kind["control"] += sum(self._control)
         t.step_wall += wall
+        t.tokens += tokens
         t.steps += 1
-        self._compute, self._blocking, self._control = [], [], []
+        self._compute, self._blocking, self._control, self._waits = [], [], [], []
 
 
 class Adaptation:
-    """Raise the micro-batches in flight while the overlap stays below the floor.
+    """Raise the micro-batches in flight while the overlap stays below the floor — when that
+    does not cost throughput.
 
     More micro-batches put more of a stage's sends behind its next micro-batch's compute
     (with m micro-batches, only the last one's transfer has nothing to hide behind) and
-    shrink the bubble ((p - 1) / m); the price is smaller matrix multiplications. So the
-    count doubles only after ``patience`` consecutive windows below the floor, never past
-    ``ceiling``, and never comes down by itself (a load that dips would otherwise make it
-    oscillate).
+    shrink the bubble ((p - 1) / m); under tensor parallelism alone, two interleaved
+    micro-batches hide each other's all-reduces. The price is smaller matrix
+    multiplications, and where decoding streams the weights from memory (small batches,
+    CPUs) every micro-batch streams them again. So after ``patience`` consecutive windows
+    below the floor, a raise to ``2m`` (at most ``ceiling``) is tried against ``m`` in
+    alternating windows (2m, m, 2m, m — alternating cancels the drift of the load between
+    windows), and kept only if its throughput (tokens per second of step time) is within
+    ``tolerance`` of ``m``'s; otherwise the count stays at ``m`` for good. It never comes
+    down otherwise (a load that dips would make it oscillate).
     """
 
-    def __init__(self, start: int, ceiling: int, floor: float = 0.7, patience: int = 2) -> None:
+    TRIAL = (True, False, True, False)  # raised arm or not, window by window
+
+    def __init__(
+        self,
+        start: int,
+        ceiling: int,
+        floor: float = 0.7,
+        patience: int = 2,
+        tolerance: float = 0.05,
+    ) -> None:
         self.micro_batches = start
         self.ceiling = max(start, ceiling)
         self.floor = floor
         self.patience = patience
+        self.tolerance = tolerance
         self.history: deque[float] = deque(maxlen=patience)
-        self.changes: list[tuple[int, float]] = []  # (new count, overlap that caused it)
+        self.changes: list[tuple[int, float]] = []  # (count kept, overlap that started it)
+        self.settled = False  # a raise cost throughput: no more raises
+        self._trial: list[tuple[bool, float]] | None = None  # (raised arm?, its rate)
+        self._base = start
+        self._overlap_at_trial = 0.0
 
-    def observe(self, overlap: float, had_comm: bool) -> int:
+    @property
+    def trying(self) -> bool:
+        return self._trial is not None
+
+    def observe(self, overlap: float, had_comm: bool, rate: float | None = None) -> int:
+        """One window's overlap (and throughput, when known); returns the count for the
+        next window."""
+        if self._trial is not None:
+            return self._continue_trial(rate)
         if not had_comm:
             return self.micro_batches
         self.history.append(overlap)
         if (
-            len(self.history) == self.patience
+            not self.settled
+            and len(self.history) == self.patience
             and max(self.history) < self.floor
             and self.micro_batches < self.ceiling
         ):
-            self.micro_batches = min(self.ceiling, 2 * self.micro_batches)
-            self.changes.append((self.micro_batches, overlap))
             self.history.clear()
+            self._base = self.micro_batches
+            self._overlap_at_trial = overlap
+            if rate is None:  # nothing to compare with: raise outright
+                self.micro_batches = min(self.ceiling, 2 * self._base)
+                self.changes.append((self.micro_batches, overlap))
+                return self.micro_batches
+            self._trial = []
+            self.micro_batches = self._arm(0)
+        return self.micro_batches
+
+    def _arm(self, index: int) -> int:
+        return min(self.ceiling, 2 * self._base) if self.TRIAL[index] else self._base
+
+    def _continue_trial(self, rate: float | None) -> int:
+        assert self._trial is not None
+        index = len(self._trial)
+        self._trial.append((self.TRIAL[index], rate if rate is not None else 0.0))
+        if len(self._trial) < len(self.TRIAL):
+            self.micro_batches = self._arm(len(self._trial))
+            return self.micro_batches
+        raised = [r for arm, r in self._trial if arm]
+        base = [r for arm, r in self._trial if not arm]
+        self._trial = None
+        if sum(raised) / len(raised) >= (sum(base) / len(base)) * (1 - self.tolerance):
+            self.micro_batches = min(self.ceiling, 2 * self._base)
+            self.changes.append((self.micro_batches, self._overlap_at_trial))
+        else:
+            self.micro_batches = self._base
+            self.settled = True
         return self.micro_batches
 
 

@@ -698,3 +698,28 @@ def test_parallel_config_that_does_not_fit_the_model(
 def test_stage_layers_must_list_one_count_per_stage() -> None:
     with pytest.raises(ConfigError, match="stageLayers lists 3 stages"):
         _config(pipeline=2, stageLayers=[1, 1, 2])
+
+
+def test_adaptation_trial_alternates_and_keeps_a_raise_that_costs_nothing() -> None:
+    adapt = Adaptation(start=2, ceiling=16, floor=0.7, patience=1, tolerance=0.05)
+    # Low overlap: a trial alternates 4, 2, 4, 2 and compares the arms' mean throughput.
+    assert adapt.observe(0.3, True, rate=100.0) == 4
+    assert adapt.trying
+    assert adapt.observe(0.5, True, rate=150.0) == 2  # the raised arm's window
+    assert adapt.observe(0.2, True, rate=60.0) == 4  # the base arm's window
+    assert adapt.observe(0.5, True, rate=50.0) == 2
+    # 4: (150 + 50) / 2 = 100; 2: (60 + r) / 2 -- kept when within 5 %
+    assert adapt.observe(0.2, True, rate=140.0) == 4
+    assert not adapt.trying and not adapt.settled
+    assert adapt.changes == [(4, 0.3)]
+
+
+def test_adaptation_trial_that_costs_throughput_settles_at_the_base() -> None:
+    adapt = Adaptation(start=2, ceiling=16, floor=0.7, patience=1, tolerance=0.05)
+    assert adapt.observe(0.3, True, rate=100.0) == 4
+    for rate in (80.0, 100.0, 80.0):
+        adapt.observe(0.5, True, rate=rate)
+    assert adapt.observe(0.5, True, rate=100.0) == 2  # raised arm 80 < 95 % of 100
+    assert adapt.settled and adapt.changes == []
+    assert adapt.observe(0.1, True, rate=10.0) == 2  # never tries again
+    assert adapt.observe(0.1, True, rate=10.0) == 2
