@@ -219,9 +219,8 @@ class AsyncEngine:
                 command = self._commands.get(block=not busy, timeout=None if busy else heartbeat)
             except queue.Empty:
                 command = None
-                if not busy and heartbeat is not None:
-                    engine.heartbeat()
-                    continue
+            if not busy and heartbeat is not None and engine.heartbeat_due(heartbeat):
+                engine.heartbeat()  # also while commands keep arriving without a step
             stop = False
             while command is not None:
                 stop = self._handle(*command) or stop
@@ -240,6 +239,10 @@ class AsyncEngine:
                 except ParallelGroupError:
                     raise
                 except Exception as exc:
+                    if engine.is_distributed:
+                        # The other ranks ran their part of the step; rank 0 cannot know
+                        # where they stand, so the replica cannot go on.
+                        raise ParallelGroupError(f"rank 0 failed a step: {exc}") from exc
                     log.exception("engine step failed; ending the requests it held")
                     self._fail_all(EngineStepError(f"the engine failed a step: {exc}"))
                 else:

@@ -11,12 +11,15 @@ import importlib
 import importlib.util
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from brook_engine.config import ConfigError, DeviceKind
 
 CPU_KV_CACHE_CAP = 4 << 30
+
+_side_streams: dict[torch.device, Any] = {}
 
 
 class DeviceError(RuntimeError):
@@ -34,6 +37,26 @@ class Backend:
             torch.cuda.synchronize(self.device)
         elif self.kind == "npu":
             torch.npu.synchronize(self.device)  # type: ignore[attr-defined]
+
+    def synchronize_stream(self) -> None:
+        """Wait for the compute stream only (not for communication on other streams)."""
+        if self.kind == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        elif self.kind == "npu":
+            torch.npu.current_stream(self.device).synchronize()  # type: ignore[attr-defined]
+
+    def wait_work(self, work: Any) -> None:
+        """Block the calling thread until a collective's work has completed. On CPU (gloo)
+        ``wait`` does that; on NCCL/HCCL it only makes the current stream wait, so the
+        calling (communication) thread waits on a side stream of its own."""
+        if self.kind == "cpu":
+            work.wait()
+            return
+        module = torch.cuda if self.kind == "cuda" else torch.npu  # type: ignore[attr-defined]
+        stream = _side_streams.setdefault(self.device, module.Stream(self.device))
+        with module.stream(stream):
+            work.wait()
+        stream.synchronize()
 
     def default_dtype(self) -> torch.dtype:
         """bfloat16 where the hardware computes in it natively (accelerators, CPUs with
@@ -110,6 +133,7 @@ def resolve_backend(kind: DeviceKind, local_rank: int = 0) -> Backend:
     if kind == "cuda":
         if not torch.cuda.is_available():
             raise DeviceError("device: cuda was asked for but no CUDA device is visible")
+        torch.cuda.set_device(local_rank)
         return Backend("cuda", torch.device("cuda", local_rank), "nccl")
     if kind == "npu":
         if not _npu_available():
@@ -117,5 +141,6 @@ def resolve_backend(kind: DeviceKind, local_rank: int = 0) -> Backend:
                 "device: npu was asked for but torch_npu is not installed or sees no NPU; "
                 "install brook[npu] with Ascend's CANN toolkit"
             )
+        torch.npu.set_device(local_rank)  # type: ignore[attr-defined]
         return Backend("npu", torch.device("npu", local_rank), "hccl")
     raise ConfigError(f"device: unknown kind {kind!r}")

@@ -112,6 +112,7 @@ class LLMEngine:
         rank 0 of the replica: it starts a worker process for each other device of this
         host (all of them without ``group``; the pod's share of a multi-pod replica with
         it) and waits for every rank to join."""
+        self._shutdown_lock = threading.Lock()
         self.config = config
         check_supported(config)
         folder = resolve_model_folder(config.model)
@@ -148,7 +149,9 @@ class LLMEngine:
         topology = Topology(par.tensor, par.pipeline, 0)
         try:
             self.comm = _join_watching(
-                lambda: Communicator(topology, self.backend.dist_backend, spec.rendezvous),
+                lambda: Communicator(
+                    topology, self.backend.dist_backend, spec.rendezvous, self.backend.wait_work
+                ),
                 self.workers,
             )
         except BaseException:
@@ -222,6 +225,10 @@ class LLMEngine:
     def is_distributed(self) -> bool:
         return self.comm is not None
 
+    def heartbeat_due(self, interval: float) -> bool:
+        """True when no plan has gone to the other ranks for ``interval`` seconds."""
+        return time.monotonic() - self.runner.last_plan_time >= interval
+
     def heartbeat(self) -> None:
         """Idle: check the local workers and tell every rank the replica lives. Raises
         ``ParallelGroupError`` when a rank is gone."""
@@ -234,19 +241,20 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the other ranks and leave the group (a no-op for a single process)."""
-        if self.comm is None:
-            return
-        runner = getattr(self, "runner", None)
-        if self.workers is not None:
-            self.workers.stopping = True
-        if runner is not None:
-            runner.shutdown()
-        else:
-            self.comm.close()
-        if self.workers is not None:
-            self.workers.stop()
-        self.comm = None
-        atexit.unregister(self.shutdown)
+        with self._shutdown_lock:
+            comm, self.comm = self.comm, None
+            if comm is None:
+                return
+            runner = getattr(self, "runner", None)
+            if self.workers is not None:
+                self.workers.stopping = True
+            if runner is not None:
+                runner.shutdown()
+            else:
+                comm.close()
+            if self.workers is not None:
+                self.workers.stop()
+            atexit.unregister(self.shutdown)
 
     # -- requests ------------------------------------------------------------------------
 

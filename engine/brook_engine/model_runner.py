@@ -143,6 +143,7 @@ class ModelRunner:
         self.micro_batches = Adaptation(pinned or start, pinned or ceiling)
         self._released: list[str] = []
         self._steps = 0
+        self.last_plan_time = time.monotonic()
         #: Send activations with blocking calls instead of asynchronously: the baseline
         #: ``brook-engine bench --workload parallel`` compares against.
         self.blocking_sends = False
@@ -364,6 +365,7 @@ class ModelRunner:
         )
         self._released = []
         self.comm.broadcast_object(plan)
+        self.last_plan_time = time.monotonic()
         results = self.run_plan(plan, wall_started=started)
         assert results is not None
         return results
@@ -383,6 +385,7 @@ class ModelRunner:
             plan = StepPlan("heartbeat", released=self._released)
             self._released = []
             self.comm.broadcast_object(plan)
+            self.last_plan_time = time.monotonic()
 
     def shutdown(self) -> None:
         """Rank 0: let the other ranks exit; every rank: leave the group."""
@@ -463,7 +466,7 @@ class ModelRunner:
             for prep, hidden in zip(prepared, hiddens, strict=True):
                 if sample and prep.samplers:
                     logits.append(self.model.compute_logits(hidden[prep.last_rows]))
-            self.backend.synchronize()
+            self.backend.synchronize_stream()
             comm.monitor.compute(start, time.perf_counter())
             stage_loop = []
         for i, prep in enumerate(stage_loop):
@@ -472,7 +475,7 @@ class ModelRunner:
             hidden = self.model(inputs, prep.positions, self.rotary, self.caches, prep.meta)
             if topo.is_last_stage and sample and prep.samplers:
                 logits.append(self.model.compute_logits(hidden[prep.last_rows]))
-            self.backend.synchronize()
+            self.backend.synchronize_stream()
             if monitor is not None:
                 monitor.compute(start, time.perf_counter())
             if comm is not None and topo.next_rank is not None:

@@ -196,3 +196,19 @@ def test_stage_split_override_and_overlap_counters(
     assert all(seconds > 0 for seconds in stats.stage_compute_seconds_total)
     assert len(stats.stage_compute_seconds_total) == 2
     assert stats.micro_batches == 4  # pinned: never adapted
+
+
+def test_an_idle_offline_engine_outlives_the_collective_timeout(
+    make_tiny_model: Callable[..., Path], engines: list[LLM]
+) -> None:
+    """Workers wait for the next step plan without a deadline (only collectives inside a
+    step have one), so an offline engine left idle longer than timeoutSeconds still runs."""
+    import time
+
+    folder = make_tiny_model("llama", num_hidden_layers=4)
+    llm = _engine(folder, 2, 1, parallel={"timeout_seconds": 2})
+    engines.append(llm)
+    prompts = _prompts(320, [9], seed=5)
+    first = [o.token_ids for o in _run(llm, prompts)]
+    time.sleep(3.5)
+    assert [o.token_ids for o in _run(llm, prompts)] == first

@@ -81,7 +81,13 @@ def _listen_socket(host: str, port: int) -> socket.socket:
 class Communicator:
     """One rank's view of the replica: its topology, the groups, timed communication."""
 
-    def __init__(self, topology: Topology, backend: str, rendezvous: Rendezvous) -> None:
+    def __init__(
+        self,
+        topology: Topology,
+        backend: str,
+        rendezvous: Rendezvous,
+        wait_work: Callable[[Any], None] | None = None,
+    ) -> None:
         self.topology = topology
         self.monitor = OverlapMonitor(topology.stage, topology.pipeline)
         self.blocking_sends = False  # the benchmark's "blocking transfers" baseline
@@ -136,7 +142,13 @@ class Communicator:
             group = dist.new_group(topology.stage_ranks(stage), timeout=timeout)
             if stage == topology.stage:
                 self.tp_group = group
-        self._watcher = _CompletionWatcher(self.monitor)
+        # Step plans get a group of their own whose wait never times out: a worker waits
+        # for the next plan as long as the replica idles (a dead rank 0 still breaks its
+        # connection at once, and rank 0's heartbeats find dead workers).
+        self.plan_group: Any = dist.new_group(
+            list(range(topology.world_size)), timeout=timedelta(days=365), backend="gloo"
+        )
+        self._watcher = _CompletionWatcher(self.monitor, wait_work or (lambda work: work.wait()))
 
     # -- tensor parallel -----------------------------------------------------------------
 
@@ -191,9 +203,10 @@ class Communicator:
         box = [obj]
         _guard(
             "step-plan broadcast",
-            lambda: dist.broadcast_object_list(box, src=0, group=self.control_group),
+            lambda: dist.broadcast_object_list(box, src=0, group=self.plan_group),
         )
-        self.monitor.control(time.perf_counter() - start)
+        if self.topology.is_driver:  # a receiver's wait is mostly idling for the next step
+            self.monitor.control(time.perf_counter() - start)
         return box[0]
 
     def send_object(self, obj: Any, dst: int) -> None:
@@ -204,12 +217,11 @@ class Communicator:
         self.monitor.control(time.perf_counter() - start)
 
     def recv_object(self, src: int) -> Any:
-        start = time.perf_counter()
+        """(Untimed: the wait is the pipeline's latency; the sender times the message.)"""
         box: list[Any] = [None]
         _guard(
             "result receive", lambda: dist.recv_object_list(box, src=src, group=self.control_group)
         )
-        self.monitor.control(time.perf_counter() - start)
         return box[0]
 
     def gather_object(self, obj: Any) -> list[Any] | None:
@@ -282,8 +294,9 @@ class _CompletionWatcher:
     compute thread nothing) and waits on it, so each one's completion time is known (gloo's
     work objects have no completion callbacks)."""
 
-    def __init__(self, monitor: OverlapMonitor) -> None:
+    def __init__(self, monitor: OverlapMonitor, wait_work: Callable[[Any], None]) -> None:
         self.monitor = monitor
+        self.wait_work = wait_work
         self._queue: queue.SimpleQueue[tuple[Pending, str, float, Callable[[], Any]] | None]
         self._queue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="brook-comm", daemon=True)
@@ -303,7 +316,7 @@ class _CompletionWatcher:
             pending, kind, start, issue = item
             try:
                 pending.work = issue()
-                pending.work.wait()
+                self.wait_work(pending.work)
             except BaseException as exc:  # reported to whoever waits on it
                 pending.error = exc
             self.monitor.finished_async(kind, start, time.perf_counter())

@@ -26,7 +26,7 @@ def run_worker(config: EngineConfig, rank: int, local_rank: int, spec: GroupSpec
 
     backend = resolve_backend(config.device, local_rank)
     topology = Topology(config.parallel.tensor, config.parallel.pipeline, rank)
-    comm = Communicator(topology, backend.dist_backend, spec.rendezvous)
+    comm = Communicator(topology, backend.dist_backend, spec.rendezvous, backend.wait_work)
     try:
         folder = resolve_model_folder(config.model)
         arch = ModelArch.from_folder(folder)
@@ -79,7 +79,7 @@ def run_worker_pod(config: EngineConfig, spec: GroupSpec) -> int:
     status = 0
     try:
         run_worker(config, ranks[0], 0, spec)
-        workers.check()
+        workers.stopping = True  # rank 0 said stop: the others stop too
     except (ParallelGroupError, ConfigError) as exc:
         log.error("rank %d stops: %s", ranks[0], exc)
         status = 1

@@ -437,7 +437,11 @@ def test_crd_registration_and_kubectl(kube_api: KubeApi) -> None:
     )
     assert shown["spec"]["replicas"] == 3
     assert shown["metadata"]["generation"] == 2
-    assert shown["spec"]["parallel"] == {"tensor": 1, "pipeline": 1, "timeoutSeconds": 120}  # CRD defaults
+    assert shown["spec"]["parallel"] == {
+        "tensor": 1,
+        "pipeline": 1,
+        "timeoutSeconds": 120,
+    }  # CRD defaults
     assert shown["status"]["readyReplicas"] == 1
 
     rival = kube_api.kubectl(
