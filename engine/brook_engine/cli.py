@@ -166,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
         "host's cores",
     )
     bench.add_argument("--concurrency", type=int, default=16, help="streams for --mode serve")
+    bench.add_argument(
+        "--layouts",
+        default="",
+        help="--workload parallel: only these rows (comma list of their names, e.g. "
+        "'PP=2 m=2,PP=2 adaptive from m=1'); one device always runs",
+    )
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--compare", default="", help="peers to run too: hf, vllm (comma list)")
     bench.add_argument("--json", action="store_true", help="print the report as JSON")

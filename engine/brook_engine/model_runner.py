@@ -137,7 +137,7 @@ class ModelRunner:
         # matrix multiplications. One device: nothing to hide.
         pinned = config.parallel.micro_batches
         if topo.pipeline > 1:
-            start, ceiling = 2 * topo.pipeline, 8 * topo.pipeline
+            start, ceiling = topo.pipeline, 8 * topo.pipeline
         else:
             start, ceiling = 1, 2 if topo.tensor > 1 else 1
         self.micro_batches = Adaptation(pinned or start, pinned or ceiling)

@@ -124,6 +124,9 @@ def bench_parallel(args: Any, options: dict[str, Any]) -> int:
         ]
     elif tp > cores and not args.json:
         print(f"TP skipped: this model needs TP={tp}, more than this host's {cores} cores")
+    wanted = [w.strip().lower() for w in (args.layouts or "").split(",") if w.strip()]
+    if wanted:  # one device always runs: the ratios are against it
+        layouts = [lay for i, lay in enumerate(layouts) if i == 0 or lay.name.lower() in wanted]
     per_device = max(1, cores // 2)
     workload = random_workload(
         args.num_requests,
@@ -140,24 +143,24 @@ def bench_parallel(args: Any, options: dict[str, Any]) -> int:
             print(f"running {layout.name} ...", flush=True)
         rows.append(_run_layout(layout, args.model, options, workload, per_device))
     single = rows[0].total_tok_s
-    by_name = {row.layout: row for row in rows}
+
+    def ratio(name: str, devices: int) -> float | None:
+        row = next((r for r in rows if r.layout == name), None)
+        return row.total_tok_s / (devices * single) if row else None
+
+    def overlap(name: str) -> float | None:
+        return next((r.overlap for r in rows if r.layout == name), None)
+
     summary = {
         "threads_per_device": per_device,
         "requests": len(workload.prompts),
-        "pp2_m4_over_one_device": by_name["PP=2 m=4"].total_tok_s / single,
+        "pp2_m4_over_one_device": ratio("PP=2 m=4", 1),
         "tensor_degree": tp,
-        "tp_scaling_efficiency": (
-            by_name[f"TP={tp} m=1"].total_tok_s / (tp * single)
-            if f"TP={tp} m=1" in by_name
-            else None
-        ),
-        "tp_scaling_efficiency_interleaved": (
-            by_name[f"TP={tp} m=2 interleaved"].total_tok_s / (tp * single)
-            if f"TP={tp} m=1" in by_name
-            else None
-        ),
-        "overlap_async_m4": by_name["PP=2 m=4"].overlap,
-        "overlap_blocking_m4": by_name["PP=2 m=4 blocking"].overlap,
+        "tp_scaling_efficiency": ratio(f"TP={tp} m=1", tp),
+        "tp_scaling_efficiency_interleaved": ratio(f"TP={tp} m=2 interleaved", tp),
+        "overlap_async_m4": overlap("PP=2 m=4"),
+        "overlap_async_m8": overlap("PP=2 m=8"),
+        "overlap_blocking_m4": overlap("PP=2 m=4 blocking"),
     }
     if args.json:
         print(json.dumps({"rows": [row.__dict__ for row in rows], "summary": summary}, indent=2))
@@ -174,7 +177,7 @@ def bench_parallel(args: Any, options: dict[str, Any]) -> int:
             f"{_f(r.bubble):>8}{_f(r.bubble_formula):>15}{r.micro_batches or '-':>4}  {comm}"
         )
     print(
-        f"PP=2 (m=4) / one device: {summary['pp2_m4_over_one_device']:.2f}×; TP={tp} scaling "
+        f"PP=2 (m=4) / one device: {_f(summary['pp2_m4_over_one_device'])}×; TP={tp} scaling "
         f"efficiency (throughput / ({tp} × one device)): "
         f"{_f(summary['tp_scaling_efficiency'])}, interleaved "
         f"{_f(summary['tp_scaling_efficiency_interleaved'])} ({per_device} thread(s) per device)"

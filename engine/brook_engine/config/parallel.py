@@ -17,9 +17,11 @@ class ParallelConfig(Section):
     """Pipeline-parallel degree: stages that each hold a contiguous range of layers."""
 
     micro_batches: int | None = Field(default=None, ge=1, le=64)
-    """Micro-batches a step is split into on its way through the pipeline. Unset: start at
-    twice the pipeline degree and let the overlap monitor add more while communication
-    stays exposed; set: exactly this many, never changed."""
+    """Micro-batches a step is split into on its way through the pipeline (with tensor
+    parallelism alone, 2 interleaves the all-reduces). Unset: start at the pipeline degree
+    (the fewest that keep every stage busy; 1 without a pipeline) and let the overlap
+    monitor try more while communication stays exposed, keeping them only if throughput
+    holds; set: exactly this many, never changed."""
 
     stage_layers: list[int] | None = Field(default=None, min_length=1)
     """Decoder layers per pipeline stage, first stage first (e.g. [13, 11]); unset: split

@@ -154,14 +154,16 @@ class Adaptation:
     micro-batches hide each other's all-reduces. The price is smaller matrix
     multiplications, and where decoding streams the weights from memory (small batches,
     CPUs) every micro-batch streams them again. So after ``patience`` consecutive windows
-    below the floor, a raise to ``2m`` (at most ``ceiling``) is tried against ``m`` in
-    alternating windows (2m, m, 2m, m — alternating cancels the drift of the load between
-    windows), and kept only if its throughput (tokens per second of step time) is within
-    ``tolerance`` of ``m``'s; otherwise the count stays at ``m`` for good. It never comes
+    below the floor, a raise to ``2m`` (at most ``ceiling``) is tried against ``m`` over four
+    windows (2m, m, m, 2m — this order cancels a load that drifts steadily between windows),
+    and kept only if its throughput (tokens per second of step time) is at least
+    ``1 - tolerance`` times ``m``'s; otherwise the count stays at ``m`` for good. It never comes
     down otherwise (a load that dips would make it oscillate).
     """
 
-    TRIAL = (True, False, True, False)  # raised arm or not, window by window
+    # Raised arm or not, window by window: A B B A cancels a load that drifts steadily
+    # (a draining batch) between windows, which A B A B would credit to the first arm.
+    TRIAL = (True, False, False, True)
 
     def __init__(
         self,
@@ -169,7 +171,7 @@ class Adaptation:
         ceiling: int,
         floor: float = 0.7,
         patience: int = 2,
-        tolerance: float = 0.05,
+        tolerance: float = 0.0,
     ) -> None:
         self.micro_batches = start
         self.ceiling = max(start, ceiling)

@@ -702,14 +702,14 @@ def test_stage_layers_must_list_one_count_per_stage() -> None:
 
 def test_adaptation_trial_alternates_and_keeps_a_raise_that_costs_nothing() -> None:
     adapt = Adaptation(start=2, ceiling=16, floor=0.7, patience=1, tolerance=0.05)
-    # Low overlap: a trial alternates 4, 2, 4, 2 and compares the arms' mean throughput.
+    # Low overlap: a trial runs 4, 2, 2, 4 and compares the arms' mean throughput.
     assert adapt.observe(0.3, True, rate=100.0) == 4
     assert adapt.trying
     assert adapt.observe(0.5, True, rate=150.0) == 2  # the raised arm's window
-    assert adapt.observe(0.2, True, rate=60.0) == 4  # the base arm's window
-    assert adapt.observe(0.5, True, rate=50.0) == 2
-    # 4: (150 + 50) / 2 = 100; 2: (60 + r) / 2 -- kept when within 5 %
-    assert adapt.observe(0.2, True, rate=140.0) == 4
+    assert adapt.observe(0.2, True, rate=60.0) == 2  # the base arm's windows
+    assert adapt.observe(0.5, True, rate=140.0) == 4
+    # 4: (150 + 50) / 2 = 100; 2: (60 + 140) / 2 = 100 -- kept when within 5 %
+    assert adapt.observe(0.2, True, rate=50.0) == 4
     assert not adapt.trying and not adapt.settled
     assert adapt.changes == [(4, 0.3)]
 
@@ -717,9 +717,9 @@ def test_adaptation_trial_alternates_and_keeps_a_raise_that_costs_nothing() -> N
 def test_adaptation_trial_that_costs_throughput_settles_at_the_base() -> None:
     adapt = Adaptation(start=2, ceiling=16, floor=0.7, patience=1, tolerance=0.05)
     assert adapt.observe(0.3, True, rate=100.0) == 4
-    for rate in (80.0, 100.0, 80.0):
+    for rate in (80.0, 100.0, 100.0):  # windows at 4, 2, 2
         adapt.observe(0.5, True, rate=rate)
-    assert adapt.observe(0.5, True, rate=100.0) == 2  # raised arm 80 < 95 % of 100
+    assert adapt.observe(0.5, True, rate=80.0) == 2  # 4 ran at 80 < 95 % of 2's 100
     assert adapt.settled and adapt.changes == []
     assert adapt.observe(0.1, True, rate=10.0) == 2  # never tries again
     assert adapt.observe(0.1, True, rate=10.0) == 2
