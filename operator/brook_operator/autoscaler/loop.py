@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from brook_operator.api import API_VERSION, KIND, LLMInference
 from brook_operator.api.autoscaling import AutoscalingSpec
 from brook_operator.autoscaler.policy import (
+    SIGNALS,
     Decision,
     Policy,
     Recommendation,
@@ -134,7 +135,7 @@ class Autoscaler:
         memory = self.memory.setdefault(key, _Memory([Recommendation(now, current)]))
         pods = self._leader_pods(llmi)
         signals = self._signals(pods, memory, now)
-        policy = Policy.from_spec(spec, max_num_seqs=llmi.spec.scheduler.max_num_seqs)
+        policy = policy_for(llmi, spec)
         decision = decide(signals, current, policy, memory.history, now)
         memory.history.append(decision.recommendation_at(now))
         memory.history = [h for h in memory.history if now - h.time <= policy.longest_window]
@@ -244,6 +245,15 @@ class Autoscaler:
                 )
             except KubeError as exc:  # best effort: the scale-in goes ahead regardless
                 log.warning("could not set the deletion cost of pod %s: %s", name, exc)
+
+
+def policy_for(llmi: LLMInference, spec: AutoscalingSpec) -> Policy:
+    """The policy for ``llmi``. The overlap rule consolidates under-fed *pipelines*; a
+    replica without a pipeline has no micro-batches to feed, and its ratio measures
+    tensor-parallel all-reduces, exposed by construction unless interleaved — it says
+    nothing about how full the replica is. Such replicas scale on KV usage and the queue."""
+    signals = SIGNALS if llmi.spec.parallel.pipeline > 1 else SIGNALS - {"overlap"}
+    return Policy.from_spec(spec, signals, max_num_seqs=llmi.spec.scheduler.max_num_seqs)
 
 
 def interval_seconds(body: dict[str, Any]) -> float | None:

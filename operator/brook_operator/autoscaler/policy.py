@@ -30,7 +30,8 @@ The formula, in the order it is applied (``R`` = replicas the workload has now):
    complete data (every ready replica reported) and no backlog, the recommendation then
    packs the load to ``target · (1 + tolerance/2)``, ``ceil(Σ s_i / (target · (1 +
    tolerance/2)))``: fewer, fuller replicas whose pipelines hide more of their transfers,
-   still inside the band.
+   still inside the band. The loop applies this rule to pipelined replicas only
+   (``parallel.pipeline > 1``, ``loop.policy_for``).
 5. **Queue (backlog).** When ``Σ waiting_i / C`` is above ``targetWaitingRequests · (1 +
    tolerance)`` in this sample and in the previous one (a queue that persists), the waiting
    requests need batch slots: ``C + ceil(Σ waiting_i / (target · maxNumSeqs)) - starting``

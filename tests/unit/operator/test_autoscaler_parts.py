@@ -16,7 +16,7 @@ from brook_operator.autoscaler.policy import decide
 from brook_operator.autoscaler.scrape import ScrapeError, parse_metrics
 from brook_operator.autoscaler.status import KEPT_DECISIONS, autoscaling_status
 
-from .test_autoscaler_policy import BASE, fleet
+from .test_autoscaler_policy import BASE, NOW, fleet, past
 
 
 def _exposition(kv: float, waiting: int, overlap: float) -> str:
@@ -138,3 +138,32 @@ def test_stale_status() -> None:
     assert conditions["ScalingLimited"]["reason"] == "Stale"
     assert status["desiredReplicas"] == 2
     assert status["autoscaling"]["signals"]["replicasReporting"] == 0
+
+
+def test_overlap_rule_applies_to_pipelined_replicas_only() -> None:
+    """A replica without a pipeline reports the overlap of its tensor-parallel all-reduces,
+    which says nothing about how full it is: its policy leaves the overlap signal out."""
+    from pathlib import Path
+
+    import yaml
+
+    from brook_operator.api import LLMInference
+    from brook_operator.autoscaler.loop import policy_for
+
+    root = Path(__file__).resolve().parents[3]
+    manifest = yaml.safe_load((root / "crds/examples/qwen-7b-autoscaled.yaml").read_text())
+    manifest["spec"]["parallel"] = {"tensor": 2, "pipeline": 1}
+    tensor_only = LLMInference.model_validate(manifest)
+    manifest["spec"]["parallel"] = {"tensor": 2, "pipeline": 2}
+    pipelined = LLMInference.model_validate(manifest)
+    assert tensor_only.spec.autoscaling is not None and pipelined.spec.autoscaling is not None
+    assert "overlap" not in policy_for(tensor_only, tensor_only.spec.autoscaling).signals
+    assert "overlap" in policy_for(pipelined, pipelined.spec.autoscaling).signals
+    # Low overlap at KV 0.55 (the policy table's "under-fed replicas consolidate" case):
+    # only the pipelined replicas are packed.
+    quiet = fleet(4, kv=0.55, overlap=0.5)
+    history = past((400, 4))
+    kept = decide(quiet, 4, policy_for(tensor_only, tensor_only.spec.autoscaling), history, NOW)
+    packed = decide(quiet, 4, policy_for(pipelined, pipelined.spec.autoscaling), history, NOW)
+    assert kept.desired == 4
+    assert packed.desired == 3 and "under-fed" in packed.reason
