@@ -195,7 +195,7 @@ class ModelRunner:
             "weight_bytes": self.weight_bytes,
         }
         if self.comm is None:
-            return {**local, "kinds": local["kinds"], "errors": local["errors"]}
+            return local
         everyone = self.comm.gather_object(local)
         if everyone is None:
             return local

@@ -44,7 +44,7 @@ def bench(args: argparse.Namespace, options: dict[str, Any]) -> int:
         return _bench_serving(args, options)
     config = engine_config_from_options(args.model, options)
     engine = LLMEngine(config, progress=not args.json)
-    workload = _random_workload(args, engine)
+    workload = random_workload_for(args, engine)
     report = run_engine(engine, workload, args.mode, progress=not args.json)
     gemm = measure_gemm_flops(dtype=engine.runner.dtype)
     params = sum(p.numel() for p in engine.runner.model.parameters())
@@ -79,7 +79,7 @@ def bench(args: argparse.Namespace, options: dict[str, Any]) -> int:
     return 1 if failures else 0
 
 
-def _random_workload(args: argparse.Namespace, engine: LLMEngine) -> Workload:
+def random_workload_for(args: argparse.Namespace, engine: LLMEngine) -> Workload:
     """The ``--num-requests``/``--input-len``/``--output-len`` workload for ``engine``."""
     return random_workload(
         args.num_requests,
@@ -128,7 +128,7 @@ def _bench_serving(args: argparse.Namespace, options: dict[str, Any]) -> int:
     options.pop("max_num_seqs", None)
     config = engine_config_from_options(args.model, options)
     engine = LLMEngine(config, progress=not args.json)
-    workload = _random_workload(args, engine)
+    workload = random_workload_for(args, engine)
     offline = run_engine(engine, workload, "batch", progress=not args.json)
     offline.engine, offline.mode = "brook (offline)", f"batch×{args.concurrency}"
     del engine

@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
+from brook_engine.bench.command import random_workload_for
 from brook_engine.bench.run import run_engine
-from brook_engine.bench.workload import Workload, parse_length, random_workload
+from brook_engine.bench.workload import Workload
 from brook_engine.llm import engine_config_from_options
 from brook_engine.llm_engine import LLMEngine
 from brook_engine.parallel.overlap import Adaptation
@@ -128,14 +129,7 @@ def bench_parallel(args: Any, options: dict[str, Any]) -> int:
     if wanted:  # one device always runs: the ratios are against it
         layouts = [lay for i, lay in enumerate(layouts) if i == 0 or lay.name.lower() in wanted]
     per_device = max(1, cores // 2)
-    workload = random_workload(
-        args.num_requests,
-        parse_length(args.input_len),
-        parse_length(args.output_len),
-        probe.arch.vocab_size,
-        probe.tokenizer.special_ids | set(probe.eos_token_ids),
-        seed=args.seed,
-    )
+    workload = random_workload_for(args, probe)
     del probe
     rows: list[Row] = []
     for layout in layouts:

@@ -57,7 +57,9 @@ class Shard:
         return start, min(vocab_size, start + rows), rows
 
 
-class VocabParallelEmbedding(nn.Module):
+class _VocabSlice(nn.Module):
+    """This rank's rows of a [vocabulary, hidden] table, padded to an equal share."""
+
     def __init__(
         self,
         vocab_size: int,
@@ -72,6 +74,8 @@ class VocabParallelEmbedding(nn.Module):
         self.comm = comm if shard.tp_size > 1 else None
         self.weight = nn.Parameter(torch.empty(rows, hidden_size, dtype=dtype))
 
+
+class VocabParallelEmbedding(_VocabSlice):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.comm is None:
             return F.embedding(ids, self.weight)
@@ -81,22 +85,8 @@ class VocabParallelEmbedding(nn.Module):
         return self.comm.all_reduce(out)
 
 
-class VocabParallelHead(nn.Module):
+class VocabParallelHead(_VocabSlice):
     """The LM head over this rank's vocabulary slice; ``logits`` gathers the full row."""
-
-    def __init__(
-        self,
-        vocab_size: int,
-        hidden_size: int,
-        shard: Shard,
-        comm: TensorComm | None,
-        dtype: torch.dtype,
-    ) -> None:
-        super().__init__()
-        self.vocab_size = vocab_size
-        _, _, rows = shard.vocab(vocab_size)
-        self.comm = comm if shard.tp_size > 1 else None
-        self.weight = nn.Parameter(torch.empty(rows, hidden_size, dtype=dtype))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.weight)

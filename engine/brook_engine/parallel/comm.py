@@ -98,9 +98,7 @@ class Communicator:
                 if os.path.exists(f"/sys/class/net/{name}"):
                     os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
                     break
-        self._listener: socket.socket | None = None
-        if topology.is_driver:
-            self._listener = _listen_socket(rendezvous.host, rendezvous.port)
+        listener = _listen_socket(rendezvous.host, rendezvous.port) if topology.is_driver else None
         try:
             store = dist.TCPStore(  # type: ignore[attr-defined]
                 rendezvous.host,
@@ -108,7 +106,7 @@ class Communicator:
                 topology.world_size,
                 topology.is_driver,
                 timeout=timeout,
-                master_listen_fd=self._listener.fileno() if self._listener else None,
+                master_listen_fd=listener.fileno() if listener else None,
                 use_libuv=False,
             )
             dist.init_process_group(
@@ -125,11 +123,10 @@ class Communicator:
                 f"({exc}); check that every pod of the replica started and MASTER_ADDR/"
                 "MASTER_PORT point at rank 0"
             ) from exc
+        finally:
+            if listener is not None:  # handed to the store, which owns (and closes) it
+                listener.detach()
         self._store = store
-        if self._listener is not None:
-            self._listener.detach()  # the store owns the descriptor now
-            self._listener = None
-        # Every rank creates every stage's group, in the same order (torch requires it).
         # Step plans, sampled tokens and counters are host objects: on accelerators they go
         # over a gloo group of their own (NCCL/HCCL move device tensors only).
         self.control_group: Any = (
@@ -137,6 +134,7 @@ class Communicator:
             if backend == "gloo"
             else dist.new_group(list(range(topology.world_size)), timeout=timeout, backend="gloo")
         )
+        # Every rank creates every stage's group, in the same order (torch requires it).
         self.tp_group: Any = None
         for stage in range(topology.pipeline):
             group = dist.new_group(topology.stage_ranks(stage), timeout=timeout)
@@ -254,8 +252,6 @@ class Communicator:
                 dist.destroy_process_group()
             except (RuntimeError, ValueError) as exc:  # a peer already gone
                 log.debug("process group teardown: %s", exc)
-        if self._listener is not None:
-            self._listener.close()
 
 
 class Pending:
