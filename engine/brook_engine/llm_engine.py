@@ -23,8 +23,9 @@ from brook_engine.block_manager import BlockManager
 from brook_engine.config import ConfigError, EngineConfig, ModelConfig, split_model_uri
 from brook_engine.device import resolve_backend
 from brook_engine.kv_calibration import calibration_text
+from brook_engine.layers.sampler import SampleResult
 from brook_engine.metrics.stats import EngineStats, FinishedRequestStats
-from brook_engine.model_runner import ModelRunner
+from brook_engine.model_runner import Flight, ModelRunner
 from brook_engine.models.arch import ModelArch
 from brook_engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from brook_engine.parallel.comm import Communicator
@@ -32,7 +33,7 @@ from brook_engine.parallel.launch import GroupSpec, LocalWorkers
 from brook_engine.parallel.topology import Topology
 from brook_engine.prefix_cache import PrefixCache
 from brook_engine.sampling_params import SamplingParams
-from brook_engine.scheduler import Scheduler
+from brook_engine.scheduler import ScheduledBatch, Scheduler
 from brook_engine.sequence import FinishReason, Sequence
 from brook_engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -194,6 +195,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.eos_token_ids = self._eos_ids(folder)
         self._requests: dict[str, _Request] = {}
+        # Steps started and not yet collected, oldest first (a pipeline runs several).
+        self._in_flight: deque[tuple[ScheduledBatch, Flight]] = deque()
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         # Drained by the server after every step; bounded for callers that never drain.
@@ -249,12 +252,24 @@ class LLMEngine:
             if self.workers is not None:
                 self.workers.stopping = True
             if runner is not None:
+                self._drain_in_flight(runner)
                 runner.shutdown()
             else:
                 comm.close()
             if self.workers is not None:
                 self.workers.stop()
             atexit.unregister(self.shutdown)
+
+    def _drain_in_flight(self, runner: ModelRunner) -> None:
+        """Take the tokens of steps still in flight, so every rank ends at the same step
+        before it stops (a lost rank makes this fail at once: then there is nothing to
+        wait for)."""
+        in_flight: deque[tuple[ScheduledBatch, Flight]] = getattr(self, "_in_flight", deque())
+        try:
+            while in_flight:
+                runner.collect(in_flight.popleft()[1])
+        except RuntimeError as exc:
+            log.debug("steps in flight not collected: %s", exc)
 
     # -- requests ------------------------------------------------------------------------
 
@@ -407,19 +422,43 @@ class LLMEngine:
             self.block_manager.release(seq.block_table)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._in_flight)
 
     # -- the step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch; returns an output for every request that gained text or ended."""
-        batch = self.scheduler.schedule()
-        if not batch.seqs:
+        """Advance the engine by one step; returns an output for every request that gained
+        text or ended. One device: schedule a batch, run it, apply its tokens. A pipeline
+        keeps up to ``steps_in_flight`` steps going: it starts the next one and applies the
+        oldest, so its first stage computes while the later stages finish the step before."""
+        depth = self.runner.steps_in_flight
+        issued = False
+        if len(self._in_flight) < depth:
+            batch = self.scheduler.schedule(depth)
+            if batch.seqs:
+                flight = self.runner.issue(batch)
+                for seq in batch.seqs:
+                    seq.in_flight = True
+                self._in_flight.append((batch, flight))
+                issued = True
+        if not self._in_flight or (issued and len(self._in_flight) < depth):
             return []
-        results = self.runner.execute(batch)
+        batch, flight = self._in_flight.popleft()
+        try:
+            results = self.runner.collect(flight)
+        finally:
+            for seq in batch.seqs:
+                seq.in_flight = False
+        return self._apply(batch, results)
+
+    def _apply(
+        self, batch: ScheduledBatch, results: list[SampleResult | None]
+    ) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         now = time.monotonic()
         for seq, num_new, result in zip(batch.seqs, batch.num_new_tokens, results, strict=True):
+            if seq.is_finished:  # aborted while its step was in flight
+                continue
             seq.num_computed_tokens += num_new
             self.block_manager.cache_full_blocks(seq)
             if result is None:

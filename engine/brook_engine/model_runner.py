@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from brook_engine.layers.sampler import sample as sample_tokens
 from brook_engine.models.arch import ModelArch
 from brook_engine.models.llama import CausalLM
 from brook_engine.models.loader import load_weights
-from brook_engine.parallel.comm import Communicator, Pending
+from brook_engine.parallel.comm import Communicator, Pending, Sent
 from brook_engine.parallel.overlap import Adaptation, Counters
 from brook_engine.parallel.plan import SeqChunk, StepPlan, split_micro_batches
 from brook_engine.parallel.topology import Topology, split_layers, stage_bounds
@@ -59,6 +59,17 @@ def stage_layer_counts(config: EngineConfig, arch: ModelArch) -> list[int]:
     layer += arch.num_heads * arch.head_dim * h + 3 * h * i
     head = h * arch.vocab_size
     return split_layers(arch.num_layers, par.pipeline, 1.0, 0.0, head / layer)
+
+
+@dataclass
+class Flight:
+    """A step on its way through the replica: what rank 0 keeps until ``collect``."""
+
+    plan: StepPlan
+    started: float
+    sends: list[Pending] = field(default_factory=list)
+    results: list[SampleResult | None] | None = None  # set where this rank sampled
+    tokens: int = 0
 
 
 @dataclass
@@ -132,16 +143,26 @@ class ModelRunner:
         policy = config.kv_cache.layer_dtypes(arch.num_layers)
         self.layer_kinds: list[KVDType] = policy[self.layer_start : self.layer_end]
         self.calibration: Calibration | None = None
-        # Pipeline: micro-batches keep the stages busy and hide the sends. Tensor parallel
-        # alone: two micro-batches, interleaved, hide the all-reduces; more only shrink the
-        # matrix multiplications. One device: nothing to hide.
+        # Steps in flight at once: a pipeline's first stage starts the next step while the
+        # later stages finish this one (each step holds its own sequences).
+        self.steps_in_flight = (
+            (config.parallel.steps_in_flight or topo.pipeline) if topo.pipeline > 1 else 1
+        )
+        # Pipeline: with a step per stage in flight the stages are busy already and one
+        # micro-batch per step is the start; with fewer steps in flight, micro-batches keep
+        # them busy. Either way more micro-batches hide more of each step's sends. Tensor
+        # parallel alone: two micro-batches, interleaved, hide the all-reduces; more only
+        # shrink the matrix multiplications. One device: nothing to hide.
         pinned = config.parallel.micro_batches
         if topo.pipeline > 1:
-            start, ceiling = topo.pipeline, 8 * topo.pipeline
+            start = 1 if self.steps_in_flight >= topo.pipeline else topo.pipeline
+            ceiling = 8 * topo.pipeline
         else:
             start, ceiling = 1, 2 if topo.tensor > 1 else 1
         self.micro_batches = Adaptation(pinned or start, pinned or ceiling)
         self._released: list[str] = []
+        self._outbox: list[Pending | Sent] = []  # a worker's last step's sends
+        self._last_collected = 0.0
         self._steps = 0
         self.last_plan_time = time.monotonic()
         #: Send activations with blocking calls instead of asynchronously: the baseline
@@ -261,7 +282,9 @@ class ModelRunner:
             for i, attn in enumerate(layers)
         ]
         try:
-            self._run_stage([self._prepare([chunk])], sample=False)
+            _, sends = self._run_stage([self._prepare([chunk])], sample=False)
+            for pending in sends:
+                pending.wait()
         finally:
             for hook in hooks:
                 hook.remove()
@@ -348,12 +371,17 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> list[SampleResult | None]:
         """Run one step; per sequence the sampled token, or None for a prefill chunk that
         leaves more of the prompt to compute."""
+        return self.collect(self.issue(batch))
+
+    @torch.inference_mode()
+    def issue(self, batch: ScheduledBatch) -> Flight:
+        """Start a step: send its plan to the other ranks and run this rank's stage. In a
+        pipeline it returns while the later stages still work on it (``collect`` takes its
+        tokens), so the next step's first stage can run meanwhile."""
         chunks = [_chunk(seq, n) for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True)]
-        if self.comm is None:
-            results = self.run_plan(StepPlan("step", chunks, 1))
-            assert results is not None
-            return results
         started = time.perf_counter()
+        if self.comm is None:
+            return self._start(StepPlan("step", chunks, 1), started)
         self._steps += 1
         plan = StepPlan(
             "step",
@@ -364,18 +392,35 @@ class ModelRunner:
             blocking_sends=self.blocking_sends,
         )
         self._released = []
-        self.comm.broadcast_object(plan)
+        self.comm.send_plan(plan, keep=self.steps_in_flight)
         self.last_plan_time = time.monotonic()
-        results = self.run_plan(plan, wall_started=started)
-        assert results is not None
-        return results
+        return self._start(plan, started)
+
+    @torch.inference_mode()
+    def collect(self, flight: Flight) -> list[SampleResult | None]:
+        """Wait for a step ``issue`` started; its sampled tokens in the batch's order."""
+        topo, comm = self.topology, self.comm
+        results = flight.results
+        if comm is not None and flight.plan.chunks and topo.sampler_rank != 0:
+            results = comm.recv_object(topo.sampler_rank)
+        for pending in flight.sends:
+            pending.wait()
+        wall = 0.0
+        if flight.plan.chunks:  # busy time: overlapping steps count once
+            now = time.perf_counter()
+            wall = now - max(flight.started, self._last_collected)
+            self._last_collected = now
+        self._finish_step(wall, flight.plan.report, flight.tokens)
+        assert results is not None or not flight.plan.chunks
+        return results or []
 
     def flush_counters(self) -> Counters:
-        """Rank 0: sum every rank's overlap counters now (not only every few steps)."""
+        """Rank 0, nothing in flight: sum every rank's overlap counters now (not only every
+        few steps)."""
         if self.comm is not None:
             plan = StepPlan("step", report=True, blocking_sends=self.blocking_sends)
-            self.comm.broadcast_object(plan)
-            self.run_plan(plan)
+            self.comm.send_plan(plan, keep=self.steps_in_flight)
+            self.collect(self._start(plan, time.perf_counter()))
         return self.replica_counters
 
     def heartbeat(self) -> None:
@@ -384,7 +429,7 @@ class ModelRunner:
         if self.comm is not None:
             plan = StepPlan("heartbeat", released=self._released)
             self._released = []
-            self.comm.broadcast_object(plan)
+            self.comm.send_plan(plan, keep=self.steps_in_flight)
             self.last_plan_time = time.monotonic()
 
     def shutdown(self) -> None:
@@ -393,53 +438,70 @@ class ModelRunner:
             return
         if self.topology.is_driver:
             try:
-                self.comm.broadcast_object(StepPlan("stop"))
+                self.comm.send_plan(StepPlan("stop"), keep=self.steps_in_flight)
+                self.comm.drain_plans(self.config.parallel.timeout_seconds)
             except RuntimeError as exc:  # some rank already gone: nothing to tell it
                 log.debug("stop plan not delivered: %s", exc)
+        else:
+            try:
+                self._drain_outbox()
+            except RuntimeError as exc:  # rank 0 already gone
+                log.debug("last messages not delivered: %s", exc)
         self.comm.close()
 
     # -- the step (every rank) -------------------------------------------------------------
 
     @torch.inference_mode()
-    def run_plan(
-        self, plan: StepPlan, wall_started: float | None = None
-    ) -> list[SampleResult | None] | None:
-        """Run this rank's part of a step; rank 0 gets the sampled results (others None)."""
+    def run_plan(self, plan: StepPlan) -> None:
+        """A rank other than 0: run this rank's part of a step. The last stage's sampler
+        sends the tokens to rank 0; nothing here waits for the next stage to take its
+        activations (that is checked one step later)."""
+        flight = self._start(plan, time.perf_counter())
+        if plan.kind != "step":
+            return
+        outbox: list[Pending | Sent] = list(flight.sends)
+        if self.comm is not None and plan.chunks and self.topology.is_sampler:
+            outbox.append(self.comm.send_object(flight.results, 0))
+        self._drain_outbox()
+        self._outbox = outbox
+        counters = self._finish_step(report=plan.report)
+        if counters is not None:
+            self._outbox.append(counters)
+
+    def _drain_outbox(self) -> None:
+        for item in self._outbox:
+            item.wait()
+        self._outbox = []
+
+    def _start(self, plan: StepPlan, started: float) -> Flight:
+        """Run this rank's stage of ``plan`` (the sampler rank also samples)."""
         for request_id in plan.released:
             self.generators.pop(request_id, None)
         if self.comm is not None:
             self.comm.blocking_sends = plan.blocking_sends
-        if plan.kind != "step":
-            return None
-        if not plan.chunks:
-            if plan.report:
-                self._finish_step(report=True)
-            return None
+        flight = Flight(plan, started)
+        if plan.kind != "step" or not plan.chunks:
+            return flight
         chunks = plan.chunks
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)
         ordered = [chunks[i] for i in order]
         groups = split_micro_batches(ordered, plan.micro_batches)
         prepared = [self._prepare(group) for group in groups]
-        sampled = self._run_stage(prepared, sample=True)
-        results: list[SampleResult | None] | None = None
+        sampled, flight.sends = self._run_stage(prepared, sample=True)
         if sampled is not None:  # this rank sampled: map back to the plan's order
-            results = [None] * len(chunks)
+            results: list[SampleResult | None] = [None] * len(chunks)
             for j, result in sampled.items():
                 results[order[j]] = result
-        topo = self.topology
-        if self.comm is not None and topo.sampler_rank != 0:
-            if topo.is_sampler:
-                self.comm.send_object(results, 0)
-            elif topo.is_driver:
-                results = self.comm.recv_object(topo.sampler_rank)
-        wall = time.perf_counter() - wall_started if wall_started is not None else 0.0
-        tokens = sum(len(c.token_ids) for c in chunks) if wall_started is not None else 0
-        self._finish_step(wall, plan.report, tokens)
-        return results
+            flight.results = results
+        flight.tokens = sum(len(c.token_ids) for c in chunks)
+        return flight
 
-    def _run_stage(self, prepared: list[_Prepared], sample: bool) -> dict[int, SampleResult] | None:
+    def _run_stage(
+        self, prepared: list[_Prepared], sample: bool
+    ) -> tuple[dict[int, SampleResult] | None, list[Pending]]:
         """This rank's stage over the micro-batches. Returns, on the sampling rank, the
-        sampled result of each sampling chunk by its index in the concatenated order."""
+        sampled result of each sampling chunk by its index in the concatenated order; and
+        the activation sends still on their way to the next stage."""
         topo, comm = self.topology, self.comm
         monitor = comm.monitor if comm is not None else None
         hidden_size = self.arch.hidden_size
@@ -480,17 +542,15 @@ class ModelRunner:
                 monitor.compute(start, time.perf_counter())
             if comm is not None and topo.next_rank is not None:
                 sends.append(comm.send(hidden, topo.next_rank, tag=i))
-        for pending in sends:  # they finished behind the later micro-batches' compute
-            pending.wait()
         if not (sample and topo.is_sampler):
-            return None
+            return None, sends
         samplers = [
             (offset + j, prep.chunks[j])
             for offset, prep in zip(_offsets(prepared), prepared, strict=True)
             for j in prep.samplers
         ]
         if not samplers:
-            return {}
+            return {}, sends
         start = time.perf_counter()
         params = [chunk.params or SamplingParams() for _, chunk in samplers]
         generators = [self._generator(chunk) for _, chunk in samplers]
@@ -500,35 +560,37 @@ class ModelRunner:
         return {
             index: SampleResult([drawn.token_ids[row]], [drawn.logprobs[row]])
             for row, (index, _) in enumerate(samplers)
-        }
+        }, sends
 
-    def _finish_step(self, wall: float = 0.0, report: bool = False, tokens: int = 0) -> None:
+    def _finish_step(self, wall: float = 0.0, report: bool = False, tokens: int = 0) -> Sent | None:
+        """Fold the step into this rank's counters. On a report step, the other ranks send
+        theirs to rank 0 (returned, on its way), which sums them and adapts."""
         if self.comm is None:
-            return
+            return None
         self.comm.monitor.end_step(wall, tokens)
         if not report:
-            return
+            return None
         totals = self.comm.monitor.totals
-        summed = self.comm.reduce_counters(totals)
-        if summed is not None:
-            window = summed.minus(self.replica_counters)
-            self.replica_counters = summed
-            self.window = window
-            if self.config.parallel.micro_batches is None:
-                adapt = self.micro_batches
-                kept, settled = len(adapt.changes), adapt.settled
-                adapt.observe(window.overlap, window.comm_total > 0, window.tokens_per_second)
-                if len(adapt.changes) > kept:
-                    log.info(
-                        "overlap %.2f below %.2f: %d micro-batches from now on",
-                        adapt.changes[-1][1],
-                        adapt.floor,
-                        adapt.micro_batches,
-                    )
-                elif adapt.settled and not settled:
-                    log.info(
-                        "more micro-batches cost throughput: staying at %d", adapt.micro_batches
-                    )
+        if not self.topology.is_driver:
+            return self.comm.send_counters(totals)
+        summed = self.comm.recv_counters(totals)
+        window = summed.minus(self.replica_counters)
+        self.replica_counters = summed
+        self.window = window
+        if self.config.parallel.micro_batches is None:
+            adapt = self.micro_batches
+            kept, settled = len(adapt.changes), adapt.settled
+            adapt.observe(window.overlap, window.comm_total > 0, window.tokens_per_second)
+            if len(adapt.changes) > kept:
+                log.info(
+                    "overlap %.2f below %.2f: %d micro-batches from now on",
+                    adapt.changes[-1][1],
+                    adapt.floor,
+                    adapt.micro_batches,
+                )
+            elif adapt.settled and not settled:
+                log.info("more micro-batches cost throughput: staying at %d", adapt.micro_batches)
+        return None
 
     @torch.inference_mode()
     def all_logits(self, seq: Sequence) -> torch.Tensor:

@@ -4,7 +4,11 @@ Every step has a token budget (``max_num_batched_tokens``). Running sequences go
 decodes before prefills, so streams keep flowing; prompts are cut into chunks that fit the
 budget (chunked prefill); waiting sequences join while budget and sequence slots remain.
 When KV blocks run out, the most recently arrived running sequence is preempted: its blocks
-are freed and it is recomputed later from its tokens (prompt and output so far). Torch-free.
+are freed and it is recomputed later from its tokens (prompt and output so far).
+
+A pipeline keeps several steps in flight: sequences in a step not yet collected are neither
+scheduled again nor preempted, and each step takes about its share (``1 / steps in flight``)
+of the sequences and tokens, so the steps stay balanced and no stage starves. Torch-free.
 """
 
 from __future__ import annotations
@@ -66,16 +70,27 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, share: int = 1) -> ScheduledBatch:
+        """The next step: sequences not in flight, at most ``1 / share`` of the live
+        sequences and of the tokens they wait for (``share`` = steps in flight)."""
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
+        max_seqs = len(self.running) + len(self.waiting)
+        if share > 1:
+            max_seqs = -(-max_seqs // share)
+            if self.config.chunked_prefill:  # (unchunked, a prompt must fit whole)
+                demand = sum(s.num_uncomputed_tokens for s in self.running)
+                demand += sum(s.num_uncomputed_tokens for s in self.waiting)
+                budget = min(budget, max(1, -(-demand // share)))
         scheduled: set[int] = set()
         # Decodes first, then unfinished prefills; oldest first within each.
         for seq in sorted(
             self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.arrival_time)
         ):
-            if seq.status is not SequenceStatus.RUNNING or budget == 0:
+            if seq.in_flight or seq.status is not SequenceStatus.RUNNING or budget == 0:
                 continue
+            if len(batch.seqs) >= max_seqs:
+                break
             num_new = self._fit(seq.num_uncomputed_tokens, budget)
             if num_new == 0:
                 continue
@@ -88,7 +103,12 @@ class Scheduler:
             budget -= num_new
         if batch.num_preempted:
             return batch  # memory is short: admit nobody new this step
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+            and len(batch.seqs) < max_seqs
+        ):
             seq = self.waiting[0]
             shared = self.block_manager.share_prefix(seq)
             num_new = self._fit(seq.num_uncomputed_tokens - shared, budget)
@@ -122,7 +142,7 @@ class Scheduler:
         ``seq`` had to go itself."""
         total = seq.num_computed_tokens + num_new
         while not self.block_manager.can_grow(seq.block_table, total):
-            candidates = [s for s in self.running if id(s) not in scheduled]
+            candidates = [s for s in self.running if id(s) not in scheduled and not s.in_flight]
             victim = max(candidates, key=lambda s: s.arrival_time)
             self._preempt(victim)
             batch.num_preempted += 1

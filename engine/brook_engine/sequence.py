@@ -38,6 +38,7 @@ class Sequence:
     scheduled_time: float | None = None  # first admitted to the running batch
     first_token_time: float | None = None
     num_preemptions: int = 0
+    in_flight: bool = False  # in a step the engine started and has not collected yet
     # Chained prefix keys of the leading full blocks of block_table (prefix sharing).
     prefix_keys: list[int] = field(default_factory=list)
     # Per generated token: (logprob of the sampled token, {token id: logprob} of the top ones)

@@ -128,19 +128,21 @@ def test_parallel_greedy_matches_single_process_and_transformers(
 
 
 @pytest.mark.parametrize(
-    ("tensor", "pipeline", "micro_batches"),
+    ("tensor", "pipeline", "micro_batches", "steps_in_flight"),
     [
-        pytest.param(2, 1, None, id="tp2"),
-        pytest.param(2, 1, 2, id="tp2-interleaved"),  # all-reduces behind the other half
-        pytest.param(1, 2, None, id="pp2"),
-        pytest.param(1, 2, 3, id="pp2-m3"),
-        pytest.param(2, 2, None, id="tp2xpp2"),
+        pytest.param(2, 1, None, None, id="tp2"),
+        pytest.param(2, 1, 2, None, id="tp2-interleaved"),  # all-reduces behind the other
+        pytest.param(1, 2, None, None, id="pp2"),  # a step per stage in flight
+        pytest.param(1, 2, 3, None, id="pp2-m3"),
+        pytest.param(1, 2, 2, 1, id="pp2-one-step-m2"),  # only micro-batches fill it
+        pytest.param(2, 2, None, None, id="tp2xpp2"),
     ],
 )
 def test_mixed_batch_with_chunked_prefill_and_preemption(
     tensor: int,
     pipeline: int,
     micro_batches: int | None,
+    steps_in_flight: int | None,
     make_tiny_model: Callable[..., Path],
     engines: list[LLM],
 ) -> None:
@@ -163,9 +165,8 @@ def test_mixed_batch_with_chunked_prefill_and_preemption(
     )
     expected = [o.token_ids for o in _run(baseline, prompts)]
     assert baseline.engine.scheduler.num_preemptions_total > 0
-    parallel = _engine(
-        folder, tensor, pipeline, parallel={"micro_batches": micro_batches}, **options
-    )
+    par = {"micro_batches": micro_batches, "steps_in_flight": steps_in_flight}
+    parallel = _engine(folder, tensor, pipeline, parallel=par, **options)
     engines.append(parallel)
     got = [o.token_ids for o in _run(parallel, prompts)]
     if micro_batches is not None:  # pinned: the schedule ran as asked, never adapted
@@ -173,6 +174,54 @@ def test_mixed_batch_with_chunked_prefill_and_preemption(
     assert parallel.engine.scheduler.num_preemptions_total > 0
     assert got == expected
     assert parallel.engine.block_manager.num_free_blocks == 14
+
+
+def test_a_pipeline_keeps_a_step_per_stage_in_flight_and_cancels_inside_them(
+    make_tiny_model: Callable[..., Path], engines: list[LLM]
+) -> None:
+    """PP=2 runs two steps at once over disjoint sequences; a request cancelled while its
+    step is in flight ends without its late token, frees every block, and the others
+    still generate exactly what one process does."""
+    folder = make_tiny_model("llama", num_hidden_layers=4)
+    prompts = _prompts(320, [5, 12, 7, 20, 9, 3], seed=6)
+    baseline = LLM(str(folder), dtype="float32", device="cpu", kv_cache=EXACT_KV, progress=False)
+    expected = [o.token_ids for o in _run(baseline, prompts)]
+    llm = _engine(folder, 1, 2)
+    engines.append(llm)
+    engine = llm.engine
+    assert engine.runner.steps_in_flight == 2
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    in_flight_at_issue: list[int] = []
+    issue = engine.runner.issue
+
+    def counting_issue(batch: Any) -> Any:
+        in_flight_at_issue.append(len(engine._in_flight) + 1)
+        return issue(batch)
+
+    engine.runner.issue = counting_issue  # type: ignore[method-assign]
+    done: dict[str, Any] = {}
+    cancelled: Any = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0]
+        held = [s for batch, _ in engine._in_flight for s in batch.seqs]
+        if cancelled is None and held and held[0].num_output_tokens >= 3:
+            cancelled = held[0]
+            tokens_at_cancel = cancelled.num_output_tokens
+            assert cancelled.in_flight
+            assert engine.abort_request(cancelled.request_id)
+    assert max(in_flight_at_issue) == 2
+    assert cancelled is not None and cancelled.request_id not in done
+    assert cancelled.num_output_tokens == tokens_at_cancel  # its late token was dropped
+    assert cancelled.finish_reason == "abort"
+    engine.block_manager.check_invariants()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    for i, want in enumerate(expected):
+        if f"r{i}" != cancelled.request_id:
+            assert done[f"r{i}"].token_ids == want
 
 
 def test_stage_split_override_and_overlap_counters(

@@ -1,9 +1,10 @@
 """``brook-engine bench --workload parallel``: the same batch run through several replica
 layouts on this host's cores, each core standing in for one device.
 
-Rows: one process (one device); PP=2 with 1, 2, 4 and 8 micro-batches and asynchronous
-sends; PP=2 with 4 micro-batches and blocking sends (the baseline asynchrony is measured
-against); PP=2 left to the overlap monitor, starting from one micro-batch; TP=2. Per row:
+Rows: one process (one device); PP=2 one step at a time with 1, 2, 4 and 8 micro-batches
+(asynchronous sends) and with 4 and blocking sends (the baseline asynchrony is measured
+against); PP=2 with a step per stage in flight (the default) at 1, 2 and 4 micro-batches,
+and at 4 with blocking sends; PP=2 left to the overlap monitor; TP. Per row:
 throughput, the replica's overlap ratio (``parallel.overlap``), its measured bubble next to
 GPipe's formula, and communication time by kind. Summary: PP=2 throughput over PP=1 and the
 TP scaling efficiency, throughput / (TP × one-device throughput), at the smallest TP degree
@@ -35,6 +36,7 @@ class Layout:
     micro_batches: int | None = None
     blocking: bool = False
     adaptive_from: int | None = None  # unpinned, the monitor starting from this many
+    steps_in_flight: int | None = None  # None: the engine's default (the pipeline degree)
 
 
 def tensor_degree(heads: int, kv_heads: int, intermediate: int) -> int:
@@ -47,14 +49,18 @@ def tensor_degree(heads: int, kv_heads: int, intermediate: int) -> int:
 
 PP_LAYOUTS = (
     Layout("1 device"),
+    Layout("PP=2 1 step m=1", pipeline=2, micro_batches=1, steps_in_flight=1),
+    Layout("PP=2 1 step m=2", pipeline=2, micro_batches=2, steps_in_flight=1),
+    Layout("PP=2 1 step m=4", pipeline=2, micro_batches=4, steps_in_flight=1),
+    Layout("PP=2 1 step m=8", pipeline=2, micro_batches=8, steps_in_flight=1),
+    Layout("PP=2 1 step m=4 blocking", pipeline=2, micro_batches=4, steps_in_flight=1,
+           blocking=True),
     Layout("PP=2 m=1", pipeline=2, micro_batches=1),
     Layout("PP=2 m=2", pipeline=2, micro_batches=2),
     Layout("PP=2 m=4", pipeline=2, micro_batches=4),
-    Layout("PP=2 m=8", pipeline=2, micro_batches=8),
-    Layout("PP=2 m=8 blocking", pipeline=2, micro_batches=8, blocking=True),
     Layout("PP=2 m=4 blocking", pipeline=2, micro_batches=4, blocking=True),
     Layout("PP=2 adaptive from m=1", pipeline=2, adaptive_from=1),
-)
+)  # fmt: skip
 
 
 @dataclass
@@ -78,6 +84,8 @@ def _run_layout(
     parallel: dict[str, Any] = {"tensor": layout.tensor, "pipeline": layout.pipeline}
     if layout.micro_batches is not None:
         parallel["micro_batches"] = layout.micro_batches
+    if layout.steps_in_flight is not None:
+        parallel["steps_in_flight"] = layout.steps_in_flight
     config = engine_config_from_options(model, {**options, "parallel": parallel})
     world = layout.tensor * layout.pipeline
     torch.set_num_threads(per_device * world)  # rank 0 keeps its share; workers take theirs
@@ -148,30 +156,35 @@ def bench_parallel(args: Any, options: dict[str, Any]) -> int:
     summary = {
         "threads_per_device": per_device,
         "requests": len(workload.prompts),
+        "pp2_over_one_device": ratio("PP=2 m=1", 1),
+        "pp2_one_step_over_one_device": ratio("PP=2 1 step m=1", 1),
         "pp2_m4_over_one_device": ratio("PP=2 m=4", 1),
         "tensor_degree": tp,
         "tp_scaling_efficiency": ratio(f"TP={tp} m=1", tp),
         "tp_scaling_efficiency_interleaved": ratio(f"TP={tp} m=2 interleaved", tp),
         "overlap_async_m4": overlap("PP=2 m=4"),
-        "overlap_async_m8": overlap("PP=2 m=8"),
         "overlap_blocking_m4": overlap("PP=2 m=4 blocking"),
+        "overlap_async_m4_one_step": overlap("PP=2 1 step m=4"),
+        "overlap_async_m8_one_step": overlap("PP=2 1 step m=8"),
     }
     if args.json:
         print(json.dumps({"rows": [row.__dict__ for row in rows], "summary": summary}, indent=2))
         return 0
     header = (
-        f"{'layout':<24}{'total tok/s':>12}{'overlap':>9}{'exposed s':>10}{'bubble':>8}"
+        f"{'layout':<26}{'total tok/s':>12}{'overlap':>9}{'exposed s':>10}{'bubble':>8}"
         f"{'(p-1)/(m+p-1)':>15}{'m':>4}  comm s by kind"
     )
     print(header)
     for r in rows:
         comm = ", ".join(f"{k} {v:.2f}" for k, v in r.comm_s.items())
         print(
-            f"{r.layout:<24}{r.total_tok_s:>12.1f}{_f(r.overlap):>9}{_f(r.exposed_comm_s):>10}"
+            f"{r.layout:<26}{r.total_tok_s:>12.1f}{_f(r.overlap):>9}{_f(r.exposed_comm_s):>10}"
             f"{_f(r.bubble):>8}{_f(r.bubble_formula):>15}{r.micro_batches or '-':>4}  {comm}"
         )
     print(
-        f"PP=2 (m=4) / one device: {_f(summary['pp2_m4_over_one_device'])}×; TP={tp} scaling "
+        f"PP=2 / one device: {_f(summary['pp2_over_one_device'])}× (one step at a time "
+        f"{_f(summary['pp2_one_step_over_one_device'])}×, m=4 "
+        f"{_f(summary['pp2_m4_over_one_device'])}×); TP={tp} scaling "
         f"efficiency (throughput / ({tp} × one device)): "
         f"{_f(summary['tp_scaling_efficiency'])}, interleaved "
         f"{_f(summary['tp_scaling_efficiency_interleaved'])} ({per_device} thread(s) per device)"

@@ -19,9 +19,16 @@ class ParallelConfig(Section):
     micro_batches: int | None = Field(default=None, ge=1, le=64)
     """Micro-batches a step is split into on its way through the pipeline (with tensor
     parallelism alone, 2 interleaves the all-reduces). Unset: start at the pipeline degree
-    (the fewest that keep every stage busy; 1 without a pipeline) and let the overlap
+    (the fewest that keep every stage busy; 1 without a pipeline, or when a step per stage
+    is in flight — see ``stepsInFlight``) and let the overlap
     monitor try more while communication stays exposed, keeping them only if throughput
     holds; set: exactly this many, never changed."""
+
+    steps_in_flight: int | None = Field(default=None, ge=1, le=64)
+    """Steps a pipeline runs at once, each over its own sequences: the first stage starts
+    the next step while the later stages finish this one (the idea of vLLM's virtual
+    engines). Unset: the pipeline degree, so every stage has a step to work on; 1: one step
+    at a time (only micro-batches fill the pipeline). No effect without a pipeline."""
 
     stage_layers: list[int] | None = Field(default=None, min_length=1)
     """Decoder layers per pipeline stage, first stage first (e.g. [13, 11]); unset: split

@@ -11,10 +11,12 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import pickle
 import queue
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -33,6 +35,12 @@ T = TypeVar("T")
 
 class ParallelGroupError(RuntimeError):
     """A rank of the replica failed or stopped answering."""
+
+
+# Tags of the host messages between ranks (activations use the micro-batch index).
+_TAG_PLAN_SIZE, _TAG_PLAN = 1, 2
+_TAG_RESULT_SIZE, _TAG_RESULT = 1001, 1002
+_TAG_COUNTERS = 1003
 
 
 @dataclass(frozen=True)
@@ -147,6 +155,7 @@ class Communicator:
             list(range(topology.world_size)), timeout=timedelta(days=365), backend="gloo"
         )
         self._watcher = _CompletionWatcher(self.monitor, wait_work or (lambda work: work.wait()))
+        self._plan_sends: deque[tuple[list[Any], torch.Tensor, torch.Tensor]] = deque()
 
     # -- tensor parallel -----------------------------------------------------------------
 
@@ -196,31 +205,84 @@ class Communicator:
     # -- control -------------------------------------------------------------------------
 
     def broadcast_object(self, obj: Any) -> Any:
-        """Rank 0's object to every rank (rank 0 passes it, the others pass None)."""
-        start = time.perf_counter()
+        """Rank 0's object to every rank (rank 0 passes it, the others pass None); a
+        collective, for start-up only: step plans go by ``send_plan``."""
         box = [obj]
-        _guard(
-            "step-plan broadcast",
-            lambda: dist.broadcast_object_list(box, src=0, group=self.plan_group),
-        )
-        if self.topology.is_driver:  # a receiver's wait is mostly idling for the next step
-            self.monitor.control(time.perf_counter() - start)
+        _guard("broadcast", lambda: dist.broadcast_object_list(box, src=0, group=self.plan_group))
         return box[0]
 
-    def send_object(self, obj: Any, dst: int) -> None:
+    def send_plan(self, plan: Any, keep: int = 1) -> None:
+        """Rank 0: send a step plan to every other rank without waiting for them to take it,
+        so rank 0 can run ahead of the later stages by up to ``keep`` plans (sends older
+        than that are waited for here, which also surfaces a lost rank)."""
         start = time.perf_counter()
-        _guard(
-            "result send", lambda: dist.send_object_list([obj], dst=dst, group=self.control_group)
-        )
+        size, payload = _encode(plan)
+        works = []
+        for dst in range(1, self.topology.world_size):
+            works.append(self._isend(size, dst, _TAG_PLAN_SIZE, self.plan_group, "step-plan send"))
+            works.append(self._isend(payload, dst, _TAG_PLAN, self.plan_group, "step-plan send"))
+        self._plan_sends.append((works, size, payload))
+        while len(self._plan_sends) > max(1, keep):
+            for work in self._plan_sends.popleft()[0]:
+                _guard("step-plan send", work.wait)
         self.monitor.control(time.perf_counter() - start)
+
+    def recv_plan(self) -> Any:
+        """The next step plan from rank 0 (waits as long as the replica idles)."""
+        return self._recv_encoded(0, _TAG_PLAN_SIZE, _TAG_PLAN, self.plan_group, "step-plan")
+
+    def drain_plans(self, timeout_seconds: float) -> None:
+        """Wait until every plan sent so far was taken (before leaving the group)."""
+        limit = timedelta(seconds=timeout_seconds)
+        while self._plan_sends:
+            for work in self._plan_sends.popleft()[0]:
+                _wait(work, "step-plan send", limit)
+
+    def send_object(self, obj: Any, dst: int) -> Sent:
+        """Send a host object (the sampled tokens) without waiting for ``dst`` to take it."""
+        start = time.perf_counter()
+        size, payload = _encode(obj)
+        group = self.control_group
+        works = [
+            self._isend(size, dst, _TAG_RESULT_SIZE, group, "result send"),
+            self._isend(payload, dst, _TAG_RESULT, group, "result send"),
+        ]
+        self.monitor.control(time.perf_counter() - start)
+        return Sent(works, [size, payload])
 
     def recv_object(self, src: int) -> Any:
         """(Untimed: the wait is the pipeline's latency; the sender times the message.)"""
-        box: list[Any] = [None]
-        _guard(
-            "result receive", lambda: dist.recv_object_list(box, src=src, group=self.control_group)
-        )
-        return box[0]
+        return self._recv_encoded(src, _TAG_RESULT_SIZE, _TAG_RESULT, self.control_group, "result")
+
+    def send_counters(self, counters: Counters) -> Sent:
+        """A rank's overlap counters to rank 0, without waiting."""
+        tensor = torch.tensor(counters.vector(), dtype=torch.float64)
+        work = self._isend(tensor, 0, _TAG_COUNTERS, self.control_group, "counter send")
+        return Sent([work], [tensor])
+
+    def recv_counters(self, like: Counters) -> Counters:
+        """Rank 0: ``like`` (its own counters) plus every other rank's, as sent for the
+        same step."""
+        total = torch.tensor(like.vector(), dtype=torch.float64)
+        for src in range(1, self.topology.world_size):
+            part = torch.empty_like(total)
+            self._recv(part, src, _TAG_COUNTERS, self.control_group, "counter receive")
+            total += part
+        return Counters.from_vector(total.tolist())
+
+    def _isend(self, tensor: torch.Tensor, dst: int, tag: int, group: Any, what: str) -> Any:
+        return _guard(what, lambda: dist.isend(tensor, dst, group=group, tag=tag))
+
+    def _recv(self, tensor: torch.Tensor, src: int, tag: int, group: Any, what: str) -> None:
+        work = _guard(what, lambda: dist.irecv(tensor, src, group=group, tag=tag))
+        _wait(work, what)
+
+    def _recv_encoded(self, src: int, size_tag: int, tag: int, group: Any, what: str) -> Any:
+        size = torch.empty(1, dtype=torch.long)
+        self._recv(size, src, size_tag, group, f"{what} receive")
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        self._recv(payload, src, tag, group, f"{what} receive")
+        return pickle.loads(payload.numpy().tobytes())
 
     def gather_object(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj`` at rank 0, by rank (None on the others)."""
@@ -239,12 +301,6 @@ class Communicator:
         )
         return int(tensor.item())
 
-    def reduce_counters(self, counters: Counters) -> Counters | None:
-        """Sum every rank's counters at rank 0 (None on the others)."""
-        tensor = torch.tensor(counters.vector(), dtype=torch.float64)
-        _guard("counter reduce", lambda: dist.reduce(tensor, dst=0, group=self.control_group))
-        return Counters.from_vector(tensor.tolist()) if self.topology.is_driver else None
-
     def close(self) -> None:
         self._watcher.stop()
         if dist.is_initialized():
@@ -252,6 +308,32 @@ class Communicator:
                 dist.destroy_process_group()
             except (RuntimeError, ValueError) as exc:  # a peer already gone
                 log.debug("process group teardown: %s", exc)
+
+
+def _wait(work: Any, what: str, timeout: timedelta | None = None) -> None:
+    if timeout is None:
+        _guard(what, work.wait)
+    else:
+        _guard(what, lambda: work.wait(timeout))
+
+
+def _encode(obj: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return torch.tensor([len(data)], dtype=torch.long), payload
+
+
+class Sent:
+    """Host messages on their way; the tensors stay alive until ``wait``."""
+
+    def __init__(self, works: list[Any], tensors: list[torch.Tensor]) -> None:
+        self.works = works
+        self.tensors = tensors
+
+    def wait(self) -> None:
+        for work in self.works:
+            _guard("send", work.wait)
+        self.works = []
 
 
 class Pending:

@@ -30,6 +30,9 @@ KINDS = ("all_reduce", "all_gather", "p2p", "control")
 
 Interval = tuple[float, float]
 
+#: Steps of compute an asynchronous operation's lifetime is matched against.
+RECENT_STEPS = 4
+
 
 @dataclass
 class Counters:
@@ -99,6 +102,9 @@ class OverlapMonitor:
         self._waits: list[Interval] = []
         self._async: list[tuple[str, Interval]] = []
         self._control: list[float] = []
+        # Compute of the last few steps: with steps in flight, an activation sent in one
+        # step may complete while the next one computes.
+        self._recent: deque[list[Interval]] = deque(maxlen=RECENT_STEPS)
 
     def compute(self, start: float, end: float) -> None:
         self._compute.append((start, end))
@@ -125,6 +131,8 @@ class OverlapMonitor:
             asyncs, self._async = self._async, []
         blocking = [span for _, span in self._blocking]
         compute = _subtract(_union(self._compute), _union(blocking + self._waits))
+        self._recent.append(compute)
+        recent = _union([span for spans in self._recent for span in spans])
         t = self.totals
         t.compute += _length(compute)
         t.stage_compute[self.stage] += _length(compute)
@@ -133,7 +141,7 @@ class OverlapMonitor:
             t.comm_exposed += end - start
             t.by_kind[kind] += end - start
         for kind, (start, end) in asyncs:
-            hidden = _length(_intersect([(start, end)], compute))
+            hidden = _length(_intersect([(start, end)], recent))
             t.comm_total += end - start
             t.comm_exposed += (end - start) - hidden
             t.by_kind[kind] += end - start
@@ -146,7 +154,7 @@ class OverlapMonitor:
 
 class Adaptation:
     """Raise the micro-batches in flight while the overlap stays below the floor — when that
-    does not cost throughput.
+    measurably raises throughput.
 
     More micro-batches put more of a stage's sends behind its next micro-batch's compute
     (with m micro-batches, only the last one's transfer has nothing to hide behind) and
@@ -156,8 +164,9 @@ class Adaptation:
     CPUs) every micro-batch streams them again. So after ``patience`` consecutive windows
     below the floor, a raise to ``2m`` (at most ``ceiling``) is tried against ``m`` over four
     windows (2m, m, m, 2m — this order cancels a load that drifts steadily between windows),
-    and kept only if its throughput (tokens per second of step time) is at least
-    ``1 - tolerance`` times ``m``'s; otherwise the count stays at ``m`` for good. It never comes
+    and kept only if its throughput (tokens per second of busy time) beats ``m``'s by at
+    least ``margin`` (5 %: windows on a shared host vary by that much, and a raise has a
+    known cost); otherwise the count stays at ``m`` for good. It never comes
     down otherwise (a load that dips would make it oscillate).
     """
 
@@ -171,13 +180,13 @@ class Adaptation:
         ceiling: int,
         floor: float = 0.7,
         patience: int = 2,
-        tolerance: float = 0.0,
+        margin: float = 0.05,
     ) -> None:
         self.micro_batches = start
         self.ceiling = max(start, ceiling)
         self.floor = floor
         self.patience = patience
-        self.tolerance = tolerance
+        self.margin = margin
         self.history: deque[float] = deque(maxlen=patience)
         self.changes: list[tuple[int, float]] = []  # (count kept, overlap that started it)
         self.settled = False  # a raise cost throughput: no more raises
@@ -227,7 +236,7 @@ class Adaptation:
         raised = [r for arm, r in self._trial if arm]
         base = [r for arm, r in self._trial if not arm]
         self._trial = None
-        if sum(raised) / len(raised) >= (sum(base) / len(base)) * (1 - self.tolerance):
+        if sum(raised) / len(raised) >= (sum(base) / len(base)) * (1 + self.margin):
             self.micro_batches = min(self.ceiling, 2 * self._base)
             self.changes.append((self.micro_batches, self._overlap_at_trial))
         else:

@@ -1,5 +1,5 @@
 """A rank other than 0: load this rank's part of the model, then run every step plan rank 0
-broadcasts until it says stop. Any failure ends the process with a non-zero status and a
+sends until it says stop. Any failure ends the process with a non-zero status and a
 message saying which rank and why."""
 
 from __future__ import annotations
@@ -40,10 +40,11 @@ def run_worker(config: EngineConfig, rank: int, local_rank: int, spec: GroupSpec
             topology.tensor,
         )
         while True:
-            plan = comm.broadcast_object(None)
+            plan = comm.recv_plan()
             if plan.kind == "stop":
                 break
             runner.run_plan(plan)
+        runner.shutdown()
     finally:
         comm.close()
 

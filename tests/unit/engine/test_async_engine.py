@@ -113,16 +113,16 @@ def test_a_full_queue_is_refused(make_tiny_model: Any) -> None:
 def test_a_failed_step_ends_its_requests_and_the_engine_goes_on(
     llm: LLM, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    execute = llm.engine.runner.execute
+    issue = llm.engine.runner.issue
     calls = {"n": 0}
 
     def flaky(batch: Any) -> Any:
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("device fell over")
-        return execute(batch)
+        return issue(batch)
 
-    monkeypatch.setattr(llm.engine.runner, "execute", flaky)
+    monkeypatch.setattr(llm.engine.runner, "issue", flaky)
 
     async def run() -> None:
         engine = AsyncEngine(llm.engine)

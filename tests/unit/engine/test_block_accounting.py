@@ -6,6 +6,7 @@ a second test runs the real engine with random aborts."""
 from __future__ import annotations
 
 import random
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 from brook_engine.block_manager import BlockManager
 from brook_engine.config import SchedulerConfig
 from brook_engine.sampling_params import SamplingParams
-from brook_engine.scheduler import Scheduler
+from brook_engine.scheduler import ScheduledBatch, Scheduler
 from brook_engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -77,6 +78,96 @@ def test_every_block_is_free_after_random_load(seed: int, num_blocks: int, chunk
     scheduler.block_manager.check_invariants()
     assert scheduler.block_manager.num_free_blocks == num_blocks
     assert not scheduler.running and not scheduler.waiting
+
+
+def _simulate_in_flight(seed: int, depth: int, num_blocks: int) -> Scheduler:
+    """A pipeline's engine loop: up to ``depth`` steps in flight, each collected later;
+    requests are cancelled at random, also while a step holding them is in flight."""
+    rng = random.Random(seed)
+    blocks = BlockManager(num_blocks=num_blocks, block_size=4)
+    config = SchedulerConfig(
+        max_num_seqs=rng.randint(2, 16),
+        max_num_batched_tokens=rng.randint(24, 64),
+        max_waiting_requests=1000,
+    )
+    scheduler = Scheduler(config, blocks)
+    flights: deque[ScheduledBatch] = deque()
+    live: list[Sequence] = []
+    for i in range(200):
+        prompt = rng.randint(1, 30)
+        seq = Sequence(f"r{i}", [1] * prompt, prompt, SamplingParams(max_tokens=rng.randint(1, 20)))
+        scheduler.add(seq)
+        live.append(seq)
+        for _ in range(rng.randint(0, 3)):
+            _pipelined_step(scheduler, flights, depth, rng, live)
+    while scheduler.has_unfinished() or flights:
+        _pipelined_step(scheduler, flights, depth, rng, live)
+    return scheduler
+
+
+def _pipelined_step(
+    scheduler: Scheduler,
+    flights: deque[ScheduledBatch],
+    depth: int,
+    rng: random.Random,
+    live: list[Sequence],
+) -> None:
+    issued = False
+    if len(flights) < depth:
+        batch = scheduler.schedule(depth)
+        scheduler.block_manager.check_invariants()
+        if batch.seqs:
+            assert not any(seq.in_flight for seq in batch.seqs)  # never in two steps at once
+            for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+                seq.in_flight = True
+                assert len(seq.block_table) * 4 >= seq.num_computed_tokens + n
+            flights.append(batch)
+            issued = True
+    in_flight = [s for b in flights for s in b.seqs if not s.is_finished]
+    # A step in flight keeps its blocks: nothing preempted them.
+    assert all(s.status is SequenceStatus.RUNNING and s.block_table for s in in_flight)
+    if flights and (len(flights) >= depth or not issued):
+        batch = flights.popleft()
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.in_flight = False
+            if seq.is_finished:  # cancelled while in flight
+                continue
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.token_ids.append(2)
+                if seq.num_output_tokens >= seq.params.max_tokens:
+                    scheduler.finish(seq, FinishReason.LENGTH)
+    unfinished = [s for s in live if s.status is not SequenceStatus.FINISHED]
+    if unfinished and rng.random() < 0.1:
+        scheduler.finish(rng.choice(unfinished), FinishReason.ABORT)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), depth=st.integers(2, 4), num_blocks=st.integers(16, 48))
+def test_steps_in_flight_keep_blocks_consistent(seed: int, depth: int, num_blocks: int) -> None:
+    scheduler = _simulate_in_flight(seed, depth, num_blocks)
+    scheduler.block_manager.check_invariants()
+    assert scheduler.block_manager.num_free_blocks == num_blocks
+    assert not scheduler.running and not scheduler.waiting
+
+
+def test_each_step_in_flight_takes_its_share() -> None:
+    """Two steps in flight split eight decoding sequences four and four: the second step
+    takes the sequences the first does not hold."""
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=256), BlockManager(64, 4))
+    seqs = [Sequence(f"r{i}", [1] * 5, 5, SamplingParams()) for i in range(8)]
+    for seq in seqs:
+        scheduler.add(seq)
+    first = scheduler.schedule(2)
+    assert len(first.seqs) == 4
+    for seq in first.seqs:
+        seq.in_flight = True
+    second = scheduler.schedule(2)
+    assert len(second.seqs) == 4
+    assert not {id(s) for s in first.seqs} & {id(s) for s in second.seqs}
+    for seq in second.seqs:
+        seq.in_flight = True
+    assert not scheduler.schedule(2).seqs  # everything is in flight
 
 
 def test_thousands_of_requests_preempt_and_end_clean() -> None:
