@@ -70,6 +70,7 @@ class Flight:
     sends: list[Pending] = field(default_factory=list)
     results: list[SampleResult | None] | None = None  # set where this rank sampled
     tokens: int = 0
+    prefill_tokens: int = 0
 
 
 @dataclass
@@ -410,7 +411,7 @@ class ModelRunner:
             now = time.perf_counter()
             wall = now - max(flight.started, self._last_collected)
             self._last_collected = now
-        self._finish_step(wall, flight.plan.report, flight.tokens)
+        self._finish_step(wall, flight.plan.report, flight.tokens, flight.prefill_tokens)
         assert results is not None or not flight.plan.chunks
         return results or []
 
@@ -494,6 +495,7 @@ class ModelRunner:
                 results[order[j]] = result
             flight.results = results
         flight.tokens = sum(len(c.token_ids) for c in chunks)
+        flight.prefill_tokens = sum(len(c.token_ids) for c in chunks if len(c.token_ids) > 1)
         return flight
 
     def _run_stage(
@@ -562,12 +564,14 @@ class ModelRunner:
             for row, (index, _) in enumerate(samplers)
         }, sends
 
-    def _finish_step(self, wall: float = 0.0, report: bool = False, tokens: int = 0) -> Sent | None:
+    def _finish_step(
+        self, wall: float = 0.0, report: bool = False, tokens: int = 0, prefill_tokens: int = 0
+    ) -> Sent | None:
         """Fold the step into this rank's counters. On a report step, the other ranks send
         theirs to rank 0 (returned, on its way), which sums them and adapts."""
         if self.comm is None:
             return None
-        self.comm.monitor.end_step(wall, tokens)
+        self.comm.monitor.end_step(wall, tokens, prefill_tokens)
         if not report:
             return None
         totals = self.comm.monitor.totals
@@ -580,7 +584,12 @@ class ModelRunner:
         if self.config.parallel.micro_batches is None:
             adapt = self.micro_batches
             kept, settled = len(adapt.changes), adapt.settled
-            adapt.observe(window.overlap, window.comm_total > 0, window.tokens_per_second)
+            adapt.observe(
+                window.overlap,
+                window.comm_total > 0,
+                window.tokens_per_second,
+                window.prefill_share if window.tokens > 0 else None,
+            )
             if len(adapt.changes) > kept:
                 log.info(
                     "overlap %.2f below %.2f: %d micro-batches from now on",

@@ -46,6 +46,7 @@ class Counters:
     by_kind: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
     stage_compute: list[float] = field(default_factory=lambda: [0.0])  # per pipeline stage
     tokens: float = 0.0  # rank 0: tokens the steps computed
+    prefill_tokens: float = 0.0  # rank 0: of them, in prompt chunks (not decodes)
 
     def vector(self) -> list[float]:
         return [
@@ -56,6 +57,7 @@ class Counters:
             self.steps,
             *(self.by_kind[k] for k in KINDS),
             self.tokens,
+            self.prefill_tokens,
             *self.stage_compute,
         ]
 
@@ -63,10 +65,10 @@ class Counters:
     def from_vector(cls, values: list[float]) -> Counters:
         total, exposed, compute, wall, steps = values[:5]
         kinds = values[5 : 5 + len(KINDS)]
-        tokens = values[5 + len(KINDS)]
-        stages = list(values[6 + len(KINDS) :])
+        tokens, prefill = values[5 + len(KINDS) : 7 + len(KINDS)]
+        stages = list(values[7 + len(KINDS) :])
         by_kind = dict(zip(KINDS, kinds, strict=True))
-        return cls(total, exposed, compute, wall, steps, by_kind, stages, tokens)
+        return cls(total, exposed, compute, wall, steps, by_kind, stages, tokens, prefill)
 
     def minus(self, other: Counters) -> Counters:
         return Counters.from_vector(
@@ -78,6 +80,11 @@ class Counters:
         if self.comm_total <= 0:
             return 1.0
         return max(0.0, min(1.0, 1.0 - self.comm_exposed / self.comm_total))
+
+    @property
+    def prefill_share(self) -> float:
+        """Share of the tokens computed in prompt chunks: a window's load mix."""
+        return self.prefill_tokens / self.tokens if self.tokens > 0 else 0.0
 
     @property
     def tokens_per_second(self) -> float | None:
@@ -124,7 +131,7 @@ class OverlapMonitor:
     def control(self, seconds: float) -> None:
         self._control.append(seconds)
 
-    def end_step(self, wall: float = 0.0, tokens: int = 0) -> None:
+    def end_step(self, wall: float = 0.0, tokens: int = 0, prefill_tokens: int = 0) -> None:
         """Fold the step's intervals into the totals. Call once every asynchronous operation
         of the step has completed."""
         with self._lock:
@@ -148,6 +155,7 @@ class OverlapMonitor:
         t.by_kind["control"] += sum(self._control)
         t.step_wall += wall
         t.tokens += tokens
+        t.prefill_tokens += prefill_tokens
         t.steps += 1
         self._compute, self._blocking, self._control, self._waits = [], [], [], []
 
@@ -166,7 +174,11 @@ class Adaptation:
     windows (2m, m, m, 2m — this order cancels a load that drifts steadily between windows),
     and kept only if its throughput (tokens per second of busy time) beats ``m``'s by at
     least ``margin`` (5 %: windows on a shared host vary by that much, and a raise has a
-    known cost); otherwise the count stays at ``m`` for good. It never comes
+    known cost); otherwise the count stays at ``m`` for good. Prompt tokens are much cheaper
+    per token than decodes, so a window whose share of prompt tokens differs from the
+    trial's first window by more than ``mix_tolerance`` (a burst of new requests, or the end
+    of one) makes the rates incomparable: the trial is dropped, the count goes back to
+    ``m``, and a new trial may start later. It never comes
     down otherwise (a load that dips would make it oscillate).
     """
 
@@ -181,12 +193,16 @@ class Adaptation:
         floor: float = 0.7,
         patience: int = 2,
         margin: float = 0.05,
+        mix_tolerance: float = 0.1,
     ) -> None:
         self.micro_batches = start
         self.ceiling = max(start, ceiling)
         self.floor = floor
         self.patience = patience
         self.margin = margin
+        self.mix_tolerance = mix_tolerance
+        self.dropped_trials = 0  # abandoned because the load's mix changed
+        self._trial_mix: float | None = None
         self.history: deque[float] = deque(maxlen=patience)
         self.changes: list[tuple[int, float]] = []  # (count kept, overlap that started it)
         self.settled = False  # a raise cost throughput: no more raises
@@ -198,10 +214,23 @@ class Adaptation:
     def trying(self) -> bool:
         return self._trial is not None
 
-    def observe(self, overlap: float, had_comm: bool, rate: float | None = None) -> int:
-        """One window's overlap (and throughput, when known); returns the count for the
-        next window."""
+    def observe(
+        self,
+        overlap: float,
+        had_comm: bool,
+        rate: float | None = None,
+        mix: float | None = None,
+    ) -> int:
+        """One window's overlap (and throughput and share of prompt tokens, when known);
+        returns the count for the next window."""
         if self._trial is not None:
+            if self._trial_mix is None:
+                self._trial_mix = mix
+            elif mix is not None and abs(mix - self._trial_mix) > self.mix_tolerance:
+                self._trial, self._trial_mix = None, None
+                self.dropped_trials += 1
+                self.micro_batches = self._base
+                return self.micro_batches
             return self._continue_trial(rate)
         if not had_comm:
             return self.micro_batches
@@ -235,7 +264,7 @@ class Adaptation:
             return self.micro_batches
         raised = [r for arm, r in self._trial if arm]
         base = [r for arm, r in self._trial if not arm]
-        self._trial = None
+        self._trial, self._trial_mix = None, None
         if sum(raised) / len(raised) >= (sum(base) / len(base)) * (1 + self.margin):
             self.micro_batches = min(self.ceiling, 2 * self._base)
             self.changes.append((self.micro_batches, self._overlap_at_trial))

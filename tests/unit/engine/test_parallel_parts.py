@@ -745,3 +745,30 @@ def test_adaptation_trial_without_a_clear_gain_settles_at_the_base(raised: float
     assert adapt.settled and adapt.changes == []
     assert adapt.observe(0.1, True, rate=10.0) == 2  # never tries again
     assert adapt.observe(0.1, True, rate=10.0) == 2
+
+
+def test_a_trial_whose_load_mix_changes_is_dropped_and_retried_later() -> None:
+    """A trial that starts in the tail of a prompt burst would credit the raise with cheap
+    prompt tokens: once a window's share of prompt tokens moves by more than the
+    tolerance, the trial is dropped (not settled) and the count goes back."""
+    adapt = Adaptation(start=1, ceiling=8, floor=0.7, patience=1, margin=0.05)
+    assert adapt.observe(0.0, True, rate=500.0, mix=0.6) == 2  # a trial starts
+    assert adapt.observe(0.4, True, rate=400.0, mix=0.5) == 1  # raised arm, prompt tail
+    assert adapt.observe(0.0, True, rate=100.0, mix=0.0) == 1  # decoding now: dropped
+    assert not adapt.trying and not adapt.settled and adapt.dropped_trials == 1
+    assert adapt.changes == []
+    # On a steady mix the next trial runs to its end (and here finds no gain).
+    assert adapt.observe(0.0, True, rate=100.0, mix=0.0) == 2
+    for rate, mix in ((90.0, 0.02), (100.0, 0.0), (100.0, 0.05)):
+        adapt.observe(0.5, True, rate=rate, mix=mix)
+    assert adapt.observe(0.5, True, rate=90.0, mix=0.0) == 1
+    assert adapt.settled and adapt.dropped_trials == 1
+
+
+def test_counters_carry_the_prefill_share() -> None:
+    monitor = OverlapMonitor()
+    monitor.end_step(wall=1.0, tokens=100, prefill_tokens=75)
+    again = Counters.from_vector(monitor.totals.vector())
+    assert again.prefill_tokens == 75.0 and again.tokens == 100.0
+    assert again.prefill_share == pytest.approx(0.75)
+    assert Counters().prefill_share == 0.0
