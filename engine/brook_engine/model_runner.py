@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -162,7 +163,9 @@ class ModelRunner:
             start, ceiling = 1, 2 if topo.tensor > 1 else 1
         self.micro_batches = Adaptation(pinned or start, pinned or ceiling)
         self._released: list[str] = []
-        self._outbox: list[Pending | Sent] = []  # a worker's last step's sends
+        # A worker's sends of its last steps, oldest first (see ``run_plan``).
+        self._outboxes: deque[list[Pending | Sent]] = deque()
+        self._open_flights = 0  # rank 0: steps issued and not collected
         self._last_collected = 0.0
         self._steps = 0
         self.last_plan_time = time.monotonic()
@@ -381,6 +384,7 @@ class ModelRunner:
         tokens), so the next step's first stage can run meanwhile."""
         chunks = [_chunk(seq, n) for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True)]
         started = time.perf_counter()
+        self._open_flights += 1
         if self.comm is None:
             return self._start(StepPlan("step", chunks, 1), started)
         self._steps += 1
@@ -402,6 +406,8 @@ class ModelRunner:
         """Wait for a step ``issue`` started; its sampled tokens in the batch's order."""
         topo, comm = self.topology, self.comm
         results = flight.results
+        if flight.plan.chunks:
+            self._open_flights -= 1
         if comm is not None and flight.plan.chunks and topo.sampler_rank != 0:
             results = comm.recv_object(topo.sampler_rank)
         for pending in flight.sends:
@@ -418,6 +424,8 @@ class ModelRunner:
     def flush_counters(self) -> Counters:
         """Rank 0, nothing in flight: sum every rank's overlap counters now (not only every
         few steps)."""
+        if self._open_flights:
+            raise RuntimeError("flush_counters needs every step collected first")
         if self.comm is not None:
             plan = StepPlan("step", report=True, blocking_sends=self.blocking_sends)
             self.comm.send_plan(plan, keep=self.steps_in_flight)
@@ -445,7 +453,7 @@ class ModelRunner:
                 log.debug("stop plan not delivered: %s", exc)
         else:
             try:
-                self._drain_outbox()
+                self._drain_outboxes(keep=0)
             except RuntimeError as exc:  # rank 0 already gone
                 log.debug("last messages not delivered: %s", exc)
         self.comm.close()
@@ -455,24 +463,28 @@ class ModelRunner:
     @torch.inference_mode()
     def run_plan(self, plan: StepPlan) -> None:
         """A rank other than 0: run this rank's part of a step. The last stage's sampler
-        sends the tokens to rank 0; nothing here waits for the next stage to take its
-        activations (that is checked one step later)."""
+        sends the tokens to rank 0, and on a report step every rank its counters.
+
+        Nothing here waits for the step's own sends: rank 0 takes step k's tokens and
+        counters only after it issued step k + stepsInFlight - 1, which needs this rank
+        (a tensor-parallel peer's all-reduce, a stage's activations). So a rank waits for a
+        step's sends only once it has run that later step too."""
         flight = self._start(plan, time.perf_counter())
         if plan.kind != "step":
             return
         outbox: list[Pending | Sent] = list(flight.sends)
         if self.comm is not None and plan.chunks and self.topology.is_sampler:
             outbox.append(self.comm.send_object(flight.results, 0))
-        self._drain_outbox()
-        self._outbox = outbox
         counters = self._finish_step(report=plan.report)
         if counters is not None:
-            self._outbox.append(counters)
+            outbox.append(counters)
+        self._outboxes.append(outbox)
+        self._drain_outboxes(keep=self.steps_in_flight - 1)
 
-    def _drain_outbox(self) -> None:
-        for item in self._outbox:
-            item.wait()
-        self._outbox = []
+    def _drain_outboxes(self, keep: int) -> None:
+        while len(self._outboxes) > keep:
+            for item in self._outboxes.popleft():
+                item.wait()
 
     def _start(self, plan: StepPlan, started: float) -> Flight:
         """Run this rank's stage of ``plan`` (the sampler rank also samples)."""

@@ -136,6 +136,9 @@ def test_parallel_greedy_matches_single_process_and_transformers(
         pytest.param(1, 2, 3, None, id="pp2-m3"),
         pytest.param(1, 2, 2, 1, id="pp2-one-step-m2"),  # only micro-batches fill it
         pytest.param(2, 2, None, None, id="tp2xpp2"),
+        # more steps in flight than stages: a rank waits for a step's sends only after
+        # it ran the later step rank 0 needs it for (tensor peers' all-reduces included)
+        pytest.param(2, 2, None, 3, id="tp2xpp2-three-steps"),
     ],
 )
 def test_mixed_batch_with_chunked_prefill_and_preemption(
