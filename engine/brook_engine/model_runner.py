@@ -172,7 +172,6 @@ class ModelRunner:
         #: Send activations with blocking calls instead of asynchronously: the baseline
         #: ``brook-engine bench --workload parallel`` compares against.
         self.blocking_sends = False
-        self._reported = Counters()
         # Rank 0: summed over the ranks at the last report, and the window before it.
         self.replica_counters = Counters(stage_compute=[0.0] * topo.pipeline)
         self.window = Counters(stage_compute=[0.0] * topo.pipeline)
@@ -372,12 +371,6 @@ class ModelRunner:
     # -- the step (rank 0) -----------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[SampleResult | None]:
-        """Run one step; per sequence the sampled token, or None for a prefill chunk that
-        leaves more of the prompt to compute."""
-        return self.collect(self.issue(batch))
-
-    @torch.inference_mode()
     def issue(self, batch: ScheduledBatch) -> Flight:
         """Start a step: send its plan to the other ranks and run this rank's stage. In a
         pipeline it returns while the later stages still work on it (``collect`` takes its
@@ -403,7 +396,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def collect(self, flight: Flight) -> list[SampleResult | None]:
-        """Wait for a step ``issue`` started; its sampled tokens in the batch's order."""
+        """Wait for a step ``issue`` started; per sequence in the batch's order its sampled
+        token, or None for a prefill chunk that leaves more of the prompt to compute."""
         topo, comm = self.topology, self.comm
         results = flight.results
         if flight.plan.chunks:

@@ -155,7 +155,7 @@ class Communicator:
             list(range(topology.world_size)), timeout=timedelta(days=365), backend="gloo"
         )
         self._watcher = _CompletionWatcher(self.monitor, wait_work or (lambda work: work.wait()))
-        self._plan_sends: deque[tuple[list[Any], torch.Tensor, torch.Tensor]] = deque()
+        self._plan_sends: deque[Sent] = deque()
 
     # -- tensor parallel -----------------------------------------------------------------
 
@@ -221,10 +221,9 @@ class Communicator:
         for dst in range(1, self.topology.world_size):
             works.append(self._isend(size, dst, _TAG_PLAN_SIZE, self.plan_group, "step-plan send"))
             works.append(self._isend(payload, dst, _TAG_PLAN, self.plan_group, "step-plan send"))
-        self._plan_sends.append((works, size, payload))
+        self._plan_sends.append(Sent(works, [size, payload], "step-plan send"))
         while len(self._plan_sends) > max(1, keep):
-            for work in self._plan_sends.popleft()[0]:
-                _guard("step-plan send", work.wait)
+            self._plan_sends.popleft().wait()
         self.monitor.control(time.perf_counter() - start)
 
     def recv_plan(self) -> Any:
@@ -235,8 +234,7 @@ class Communicator:
         """Wait until every plan sent so far was taken (before leaving the group)."""
         limit = timedelta(seconds=timeout_seconds)
         while self._plan_sends:
-            for work in self._plan_sends.popleft()[0]:
-                _wait(work, "step-plan send", limit)
+            self._plan_sends.popleft().wait(limit)
 
     def send_object(self, obj: Any, dst: int) -> Sent:
         """Send a host object (the sampled tokens) without waiting for ``dst`` to take it."""
@@ -248,7 +246,7 @@ class Communicator:
             self._isend(payload, dst, _TAG_RESULT, group, "result send"),
         ]
         self.monitor.control(time.perf_counter() - start)
-        return Sent(works, [size, payload])
+        return Sent(works, [size, payload], "result send")
 
     def recv_object(self, src: int) -> Any:
         """(Untimed: the wait is the pipeline's latency; the sender times the message.)"""
@@ -258,7 +256,7 @@ class Communicator:
         """A rank's overlap counters to rank 0, without waiting."""
         tensor = torch.tensor(counters.vector(), dtype=torch.float64)
         work = self._isend(tensor, 0, _TAG_COUNTERS, self.control_group, "counter send")
-        return Sent([work], [tensor])
+        return Sent([work], [tensor], "counter send")
 
     def recv_counters(self, like: Counters) -> Counters:
         """Rank 0: ``like`` (its own counters) plus every other rank's, as sent for the
@@ -326,13 +324,14 @@ def _encode(obj: Any) -> tuple[torch.Tensor, torch.Tensor]:
 class Sent:
     """Host messages on their way; the tensors stay alive until ``wait``."""
 
-    def __init__(self, works: list[Any], tensors: list[torch.Tensor]) -> None:
+    def __init__(self, works: list[Any], tensors: list[torch.Tensor], what: str) -> None:
         self.works = works
         self.tensors = tensors
+        self.what = what
 
-    def wait(self) -> None:
+    def wait(self, timeout: timedelta | None = None) -> None:
         for work in self.works:
-            _guard("send", work.wait)
+            _wait(work, self.what, timeout)
         self.works = []
 
 

@@ -54,15 +54,8 @@ def _step(scheduler: Scheduler, rng: random.Random, live: list[Sequence]) -> Non
     scheduler.block_manager.check_invariants()
     for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
         assert len(seq.block_table) * 4 >= seq.num_computed_tokens + n
-        seq.num_computed_tokens += n
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.token_ids.append(2)
-            if seq.num_output_tokens >= seq.params.max_tokens:
-                scheduler.finish(seq, FinishReason.LENGTH)
-    # Cancel a random live request now and then, whatever state it is in.
-    unfinished = [s for s in live if s.status is not SequenceStatus.FINISHED]
-    if unfinished and rng.random() < 0.1:
-        scheduler.finish(rng.choice(unfinished), FinishReason.ABORT)
+        _advance(scheduler, seq, n)
+    _cancel_now_and_then(scheduler, rng, live)
     if not batch.seqs and scheduler.has_unfinished():
         raise AssertionError("scheduler made no progress with requests pending")
 
@@ -130,13 +123,22 @@ def _pipelined_step(
         batch = flights.popleft()
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.in_flight = False
-            if seq.is_finished:  # cancelled while in flight
-                continue
-            seq.num_computed_tokens += n
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.token_ids.append(2)
-                if seq.num_output_tokens >= seq.params.max_tokens:
-                    scheduler.finish(seq, FinishReason.LENGTH)
+            if not seq.is_finished:  # (cancelled while in flight: nothing to apply)
+                _advance(scheduler, seq, n)
+    _cancel_now_and_then(scheduler, rng, live)
+
+
+def _advance(scheduler: Scheduler, seq: Sequence, n: int) -> None:
+    """The "model": ``n`` tokens computed; a token appended when the sequence is done."""
+    seq.num_computed_tokens += n
+    if seq.num_computed_tokens == seq.num_tokens:
+        seq.token_ids.append(2)
+        if seq.num_output_tokens >= seq.params.max_tokens:
+            scheduler.finish(seq, FinishReason.LENGTH)
+
+
+def _cancel_now_and_then(scheduler: Scheduler, rng: random.Random, live: list[Sequence]) -> None:
+    """Cancel a random live request now and then, whatever state it is in."""
     unfinished = [s for s in live if s.status is not SequenceStatus.FINISHED]
     if unfinished and rng.random() < 0.1:
         scheduler.finish(rng.choice(unfinished), FinishReason.ABORT)
