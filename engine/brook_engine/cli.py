@@ -31,7 +31,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser, model_required: bool = Tr
     parser.add_argument(
         "--kv-dtype",
         default=None,
-        help="store every layer's KV in this dtype (auto, fp16, bf16, fp8_e4m3, fp8_e5m2) "
+        help="store every layer's KV in this dtype (auto, fp16, bf16, int8, fp8_e4m3, fp8_e5m2) "
         "instead of the per-layer default policy",
     )
 

@@ -5,10 +5,19 @@ runner turns block tables into slot indexes. Storage is head-major ([kv_heads, s
 head_dim]), so the blocks of many sequences gather into the layout batched matmuls per head
 want. FP8 E4M3 keeps a float32 scale per token and KV head (amax / 448), so a value never
 saturates; FP8 E5M2 has the range to go without one.
+
+INT8 (the KV format Ascend NPUs store natively) has no per-token scale at all: keys and
+values are stored minus their per-head calibration mean, turned by an orthogonal matrix
+(Hadamard) that spreads outlier channels over all of them, and rounded against fixed
+per-channel scales from the calibration pass (``Int8Params``). Attention never undoes the
+transform on the cache: the query is turned and scaled instead (a score moves by the same
+``q·mean`` for every key, which softmax ignores), and the output is turned back and the value
+mean added (the probabilities sum to one) — a cost per query token, not per cached one.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +25,9 @@ import torch
 from brook_engine.config import KVDType
 
 _FP8_E4M3_MAX = 448.0
+_INT8_MAX = 127.0
 _STORAGE = {
+    "int8": torch.int8,
     "fp16": torch.float16,
     "bf16": torch.bfloat16,
     "fp8_e5m2": torch.float8_e5m2,
@@ -26,6 +37,108 @@ _STORAGE = {
 
 def storage_dtype(kind: KVDType, compute_dtype: torch.dtype) -> torch.dtype:
     return compute_dtype if kind == "auto" else _STORAGE[kind]
+
+
+def rotation(dim: int) -> torch.Tensor:
+    """An orthogonal [dim, dim] float32 matrix that mixes every channel into every other:
+    the normalized Hadamard matrix when ``dim`` is a power of two, else a fixed random
+    orthogonal one (the same on every rank and every start)."""
+    if dim & (dim - 1) == 0:
+        h = torch.ones(1, 1)
+        while h.shape[0] < dim:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        return h / math.sqrt(dim)
+    gen = torch.Generator().manual_seed(0)
+    q, r = torch.linalg.qr(torch.randn(dim, dim, generator=gen, dtype=torch.float64))
+    turned: torch.Tensor = (q * torch.sign(torch.diagonal(r))).float()
+    return turned
+
+
+@dataclass(frozen=True)
+class Int8Params:
+    """What an INT8 layer stores against, fitted on calibration keys and values."""
+
+    rotation: torch.Tensor  # [head_dim, head_dim] float32, orthogonal
+    k_mean: torch.Tensor  # [kv_heads, head_dim] float32
+    v_mean: torch.Tensor
+    k_scale: torch.Tensor  # [kv_heads, head_dim] float32, per channel of the turned basis
+    v_scale: torch.Tensor
+    # [kv_heads, head_dim] float32: key channel c is stored times k_balance[c] and the query
+    # divided by it (scores unchanged), so channels that queries weigh heavily are rounded
+    # more finely.
+    k_balance: torch.Tensor
+
+    @classmethod
+    def fit(cls, q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor) -> Int8Params:
+        """From calibration queries [tokens, heads, head_dim] (if known), keys and values
+        [tokens, kv_heads, head_dim]: each channel's scale maps the largest value seen to 127
+        (larger ones later saturate). A score's rounding error is q·Δk; with key channels
+        weighed by (E[q_c²] / E[k_c²])^¼ it is smallest for a given number of levels (the two
+        sides' energies balance, channel by channel)."""
+        rot = rotation(k.shape[-1]).to(k.device)
+        k32, v32 = k.float(), v.float()
+        k_mean, v_mean = k32.mean(dim=0), v32.mean(dim=0)
+        balance = torch.ones_like(k_mean)
+        if q is not None:
+            kv_heads, dim = k.shape[1], k.shape[2]
+            q_energy = q.float().view(q.shape[0], kv_heads, -1, dim).pow(2).mean(dim=(0, 2))
+            k_energy = (k32 - k_mean).pow(2).mean(dim=0)
+            balance = (q_energy / k_energy.clamp_min(1e-12)).clamp_min(1e-12).pow(0.25)
+            balance = (balance / balance.log().mean(dim=-1, keepdim=True).exp()).clamp(1 / 16, 16)
+
+        def scale(x: torch.Tensor, mean: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            amax = (((x - mean) * weight) @ rot).abs().amax(dim=0)
+            return (amax / _INT8_MAX).clamp_min(1e-8)
+
+        return cls(
+            rot,
+            k_mean,
+            v_mean,
+            scale(k32, k_mean, balance),
+            scale(v32, v_mean, torch.ones_like(v_mean)),
+            balance,
+        )
+
+    def quantize_keys(self, k: torch.Tensor) -> torch.Tensor:
+        """k [kv_heads, tokens, head_dim] → int8 of the same shape."""
+        return self._quantize(k, self.k_mean, self.k_scale, self.k_balance)
+
+    def quantize_values(self, v: torch.Tensor) -> torch.Tensor:
+        return self._quantize(v, self.v_mean, self.v_scale, None)
+
+    def _quantize(
+        self,
+        x: torch.Tensor,
+        mean: torch.Tensor,
+        scale: torch.Tensor,
+        weight: torch.Tensor | None,
+    ) -> torch.Tensor:
+        x = x.float() - mean[:, None]
+        if weight is not None:
+            x = x * weight[:, None]
+        turned = (x @ self.rotation) / scale[:, None]
+        return turned.round_().clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8)
+
+    # Attention over INT8 layers runs in float32 (integers up to 127 and the turned query
+    # are exact there): rounding the turned query or the integer-domain output to a 16-bit
+    # dtype would add a second error on top of the quantization's.
+
+    def query(self, q: torch.Tensor) -> torch.Tensor:
+        """q [tokens, heads, head_dim] → the float32 query that scores the stored integers."""
+        heads, kv_heads = q.shape[1], self.k_scale.shape[0]
+        group = heads // kv_heads
+        scale = self.k_scale.repeat_interleave(group, dim=0)
+        balance = self.k_balance.repeat_interleave(group, dim=0)
+        return ((q.float() / balance) @ self.rotation) * scale
+
+    def output(self, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Float32 attention output over stored integers [tokens, heads, head_dim] → the
+        output over the values they stand for, in ``dtype``."""
+        heads, kv_heads = out.shape[1], self.v_scale.shape[0]
+        group = heads // kv_heads
+        scale = self.v_scale.repeat_interleave(group, dim=0)
+        mean = self.v_mean.repeat_interleave(group, dim=0)
+        return ((out.float() * scale) @ self.rotation.T + mean).to(dtype)
 
 
 def bytes_per_token(kind: KVDType, compute_dtype: torch.dtype, kv_heads: int, head_dim: int) -> int:
@@ -49,6 +162,7 @@ class LayerKVCache:
     # ignores. The stored keys are smaller, so low precision rounds them less (calibration
     # sets it for the layers where it helps).
     k_shift: torch.Tensor | None = None
+    int8: Int8Params | None = None  # INT8 only, set by calibration before the first write
 
     @classmethod
     def allocate(
@@ -79,9 +193,7 @@ class LayerKVCache:
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [tokens, kv_heads, head_dim] at ``slots`` [tokens]."""
-        if self.k_shift is not None:
-            k = k - self.k_shift
-        k, v = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, tokens, head_dim]
+        k, v = self._encode(k, v)
         if self.k_scale is not None and self.v_scale is not None:
             k, k_scale = _quantize_e4m3(k)
             v, v_scale = _quantize_e4m3(v)
@@ -95,10 +207,10 @@ class LayerKVCache:
         ([kv_heads, tokens, head_dim]): attention over a fresh prompt then sees exactly what
         a later chunk, a decode or a request sharing the prefix reads from the cache, so
         outputs do not depend on how a prompt was split or shared."""
-        if self.k_shift is not None:
-            k = k - self.k_shift
-        k, v = k.transpose(0, 1), v.transpose(0, 1)
+        k, v = self._encode(k, v)
         dtype = self.k.dtype
+        if dtype == torch.int8:
+            return k.float(), v.float()
         if self.k_scale is not None:
             (qk, sk), (qv, sv) = _quantize_e4m3(k), _quantize_e4m3(v)
             c = self.compute_dtype
@@ -107,11 +219,39 @@ class LayerKVCache:
             return k, v
         return k.to(dtype).to(self.compute_dtype), v.to(dtype).to(self.compute_dtype)
 
+    def _encode(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [tokens, kv_heads, head_dim] → [kv_heads, tokens, head_dim], shifted, and
+        as integers for INT8."""
+        if self.k_shift is not None:
+            k = k - self.k_shift
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+        if self.k.dtype == torch.int8:
+            p = self.int8
+            if p is None:
+                raise RuntimeError("an INT8 KV layer needs its calibration (Int8Params) first")
+            return p.quantize_keys(k), p.quantize_values(v)
+        return k, v
+
+    @property
+    def attention_dtype(self) -> torch.dtype:
+        """The dtype ``read``, ``read_blocks``, ``as_stored`` and ``query`` return."""
+        return torch.float32 if self.int8 is not None else self.compute_dtype
+
+    def query(self, q: torch.Tensor) -> torch.Tensor:
+        """The query [tokens, heads, head_dim] attention uses against what ``read``,
+        ``read_blocks`` and ``as_stored`` return (itself, except for INT8)."""
+        return q if self.int8 is None else self.int8.query(q)
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention's output [tokens, heads, head_dim] over what this cache returns, as the
+        output over the keys and values it stands for (itself, except for INT8)."""
+        return out if self.int8 is None else self.int8.output(out, self.compute_dtype)
+
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values at ``slots`` (any shape S) as [kv_heads, *S, head_dim] in the
-        compute dtype."""
-        k = _load(self.k, slots).to(self.compute_dtype)
-        v = _load(self.v, slots).to(self.compute_dtype)
+        compute dtype (for INT8: the stored integers; see ``query`` and ``output``)."""
+        k = _load(self.k, slots).to(self.attention_dtype)
+        v = _load(self.v, slots).to(self.attention_dtype)
         if self.k_scale is not None and self.v_scale is not None:
             k = k * self.k_scale[:, slots].to(self.compute_dtype)
             v = v * self.v_scale[:, slots].to(self.compute_dtype)
@@ -121,8 +261,8 @@ class LayerKVCache:
         """Whole blocks of ``tables`` [sequences, blocks] as [kv_heads, sequences,
         blocks * block_size, head_dim]. Each head's blocks are copied with one index_select
         over contiguous block rows, far faster than a gather per token."""
-        k = self._gather_blocks(self.k, tables).to(self.compute_dtype)
-        v = self._gather_blocks(self.v, tables).to(self.compute_dtype)
+        k = self._gather_blocks(self.k, tables).to(self.attention_dtype)
+        v = self._gather_blocks(self.v, tables).to(self.attention_dtype)
         if self.k_scale is not None and self.v_scale is not None:
             k = k * self._gather_blocks(self.k_scale, tables).to(k.dtype)
             v = v * self._gather_blocks(self.v_scale, tables).to(v.dtype)

@@ -5,7 +5,8 @@ change is too large to the fallback precision.
 One forward pass over calibration text (the user's file, or text that ships with Python:
 the interpreter's own help topics) captures each attention layer's input. For each layer,
 the queries, keys and values are recomputed from it, and causal attention is evaluated
-twice, with keys and values as computed and as the cache would store them:
+twice, with keys and values as computed and as the cache would store them (an INT8 layer's
+means, rotation and scales are fitted on these keys and values first):
 
     error = |attn(q, stored K, stored V) - attn(q, K, V)| / |attn(q, K, V)|
 
@@ -14,8 +15,9 @@ layer's verdict does not depend on another's. Keys may be stored minus their mea
 calibration text (per head): attention is unchanged, since every score of a query moves by
 the same amount, and low precision rounds the smaller stored keys less; each layer keeps
 the shift only where it measurably lowers the error. A layer above ``sensitivityThreshold`` falls
-back step by step: an FP8 E5M2 layer first tries FP8 E4M3 with scales (the same byte, one
-more mantissa bit), and only then the 16-bit fallback.
+back step by step: an FP8 layer first tries INT8 (the same byte, more precise), and only
+then the 16-bit fallback. With dynamic precision off, the pass
+still runs where a policy names INT8 (its scales come from it), with no fallback.
 """
 
 from __future__ import annotations
@@ -29,12 +31,17 @@ import torch
 import torch.nn.functional as F
 
 from brook_engine.config import KVDType
-from brook_engine.kv_cache import LayerKVCache
+from brook_engine.kv_cache import Int8Params, LayerKVCache
 
 log = logging.getLogger(__name__)
 
-#: Storage kinds that lose precision against a 16-bit model, in bits per element.
-_LOW = {"fp8_e5m2", "fp8_e4m3"}
+#: Storage kinds of one byte per element.
+ONE_BYTE: tuple[KVDType, ...] = ("fp8_e5m2", "fp8_e4m3", "int8")
+
+#: What a one-byte layer above the threshold tries before 16 bits: INT8, more precise than
+#: either FP8 (measured 0.011-0.021 against E4M3's 0.026-0.048 on SmolLM2's layers) and,
+#: unlike E4M3, without a scale per token.
+_RETRY: dict[KVDType, tuple[KVDType, ...]] = {"fp8_e5m2": ("int8",), "fp8_e4m3": ("int8",)}
 
 
 @dataclass(frozen=True)
@@ -46,12 +53,15 @@ class Calibration:
     """Each layer's dtype after it (the fallback where the error was above the threshold)."""
 
     errors: list[float | None]
-    """Measured relative error per layer, of the last low-precision dtype tried (E4M3 for
-    an E5M2 layer that tried it); None where the layer was not low precision."""
+    """Measured relative error per layer, of the chosen kind, or of the last one-byte kind
+    tried where the layer fell back; None where the layer was not low precision."""
 
     shifts: list[torch.Tensor | None]
-    """Per layer, the key shift stored keys have subtracted (``LayerKVCache.k_shift``), where
-    it lowered the error."""
+    """Per FP8 layer, the key shift stored keys have subtracted (``LayerKVCache.k_shift``),
+    where it lowered the error."""
+
+    int8: list[Int8Params | None]
+    """Per INT8 layer, its means, rotation and scales."""
 
     num_tokens: int
 
@@ -91,61 +101,53 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
     ).squeeze(0)
 
 
-def key_shift(layer: Any, captured: tuple[torch.Tensor, Any]) -> torch.Tensor:
-    """The per-head mean key on the calibration text, [kv_heads, head_dim]."""
-    k: torch.Tensor = layer.project(*captured)[1]
-    return k.float().mean(dim=0).to(k.dtype)
+@dataclass(frozen=True)
+class _Stored:
+    """One way to store a layer's KV, and the error it adds."""
+
+    kind: KVDType
+    error: float | None  # None: stores at least the compute precision
+    shift: torch.Tensor | None = None
+    int8: Int8Params | None = None
 
 
-@torch.inference_mode()
-def measure_errors(
-    attention_layers: list[Any],
-    captured: list[tuple[torch.Tensor, Any]],
-    kinds: list[KVDType],
+def _measure(
+    projected: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    scale: float,
+    kind: KVDType,
     compute_dtype: torch.dtype,
-    shifts: list[torch.Tensor | None] | None = None,
-) -> list[float | None]:
-    """Relative attention-output error per layer for its storage kind (None when the kind
-    stores at least the compute precision), with each layer's key shift if given."""
-    errors: list[float | None] = []
-    shifts = shifts or [None] * len(kinds)
-    for layer, (x, rotary), kind, shift in zip(
-        attention_layers, captured, kinds, shifts, strict=True
-    ):
-        if kind not in _LOW and not (kind in ("fp16", "bf16") and compute_dtype == torch.float32):
-            errors.append(None)
-            continue
-        q, k, v = layer.project(x, rotary)
+) -> _Stored:
+    """The lowest error ``kind`` reaches on one layer's calibration q, k, v [tokens, heads,
+    head_dim]: FP8 with keys as they are or minus their per-head mean (whichever is lower),
+    INT8 with parameters fitted on the same keys and values."""
+    q, k, v = projected
+    if kind not in ONE_BYTE and not (kind in ("fp16", "bf16") and compute_dtype == torch.float32):
+        return _Stored(kind, None)
+    exact = _attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale)
+
+    def error(shift: torch.Tensor | None, int8: Int8Params | None) -> float:
         probe = LayerKVCache.allocate(1, 1, k.shape[1], k.shape[2], kind, compute_dtype, k.device)
-        probe.k_shift = shift
+        probe.k_shift, probe.int8 = shift, int8
         k_stored, v_stored = probe.as_stored(k, v)
-        exact = _attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), layer.scale)
-        lossy = _attention(q.transpose(0, 1), k_stored, v_stored, layer.scale)
-        errors.append(float((lossy - exact).norm() / exact.norm().clamp_min(1e-12)))
-    return errors
+        lossy = _attention(probe.query(q).transpose(0, 1), k_stored, v_stored, scale)
+        if int8 is not None:
+            lossy = int8.output(lossy.transpose(0, 1), q.dtype).float().transpose(0, 1)
+        return float((lossy - exact).norm() / exact.norm().clamp_min(1e-12))
+
+    if kind == "int8":
+        params = Int8Params.fit(q, k, v)
+        return _Stored(kind, error(None, params), int8=params)
+    plain = _Stored(kind, error(None, None))
+    if kind not in ONE_BYTE:
+        return plain
+    shift = k.float().mean(dim=0).to(k.dtype)
+    shifted = _Stored(kind, error(shift, None), shift=shift)
+    return shifted if shifted.error < plain.error else plain  # type: ignore[operator]
 
 
-def best_of(
-    plain: list[float | None],
-    shifted: list[float | None],
-    shifts: list[torch.Tensor],
-) -> tuple[list[float | None], list[torch.Tensor | None]]:
-    """Per layer, the lower error of storing keys as they are or shifted, and the shift
-    that goes with it (None: keys as they are)."""
-    errors: list[float | None] = []
-    chosen: list[torch.Tensor | None] = []
-    for p, s, shift in zip(plain, shifted, shifts, strict=True):
-        if p is not None and s is not None and s < p:
-            errors.append(s)
-            chosen.append(shift)
-        else:
-            errors.append(p)
-            chosen.append(None)
-    return errors, chosen
-
-
-#: Mantissa bits of each storage kind ("auto" is the model dtype: see ``_bits``).
-_MANTISSA = {"fp8_e5m2": 2, "fp8_e4m3": 3, "bf16": 7, "fp16": 10}
+#: Mantissa bits of each storage kind ("auto" is the model dtype: see ``_bits``); INT8's
+#: 8 bits against a per-channel range in a turned basis sit between E4M3 and BF16.
+_MANTISSA = {"fp8_e5m2": 2, "fp8_e4m3": 3, "int8": 6, "bf16": 7, "fp16": 10}
 _DTYPE_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
 
 
@@ -153,25 +155,7 @@ def _bits(kind: KVDType, compute_dtype: torch.dtype) -> int:
     return _DTYPE_BITS[compute_dtype] if kind == "auto" else _MANTISSA[kind]
 
 
-def choose(
-    kinds: list[KVDType],
-    errors: list[float | None],
-    threshold: float,
-    fallback: KVDType,
-    compute_dtype: torch.dtype,
-) -> list[KVDType]:
-    """The fallback for each layer above the threshold — unless it would store no more
-    precisely than the layer already does (bf16 never replaces fp16)."""
-    return [
-        fallback
-        if error is not None
-        and error > threshold
-        and _bits(fallback, compute_dtype) > _bits(kind, compute_dtype)
-        else kind
-        for kind, error in zip(kinds, errors, strict=True)
-    ]
-
-
+@torch.inference_mode()
 def decide(
     layers: list[Any],
     captured: list[tuple[torch.Tensor, Any]],
@@ -179,49 +163,69 @@ def decide(
     compute_dtype: torch.dtype,
     threshold: float,
     fallback: KVDType,
-) -> tuple[list[KVDType], list[float | None], list[torch.Tensor | None]]:
-    """Each layer's dtype, its measured error and its key shift. A layer above the threshold
-    in FP8 E5M2 tries E4M3 (one more mantissa bit, still one byte) before the fallback."""
-    candidates = [key_shift(layer, c) for layer, c in zip(layers, captured, strict=True)]
+) -> tuple[list[_Stored], list[float | None]]:
+    """Per layer, how it is stored, and its measured error. An FP8 layer above the
+    threshold tries INT8 (the same byte, more precise); where that is not within it either,
+    the layer takes the fallback — unless the fallback would store no more precisely than the
+    last kind tried (bf16 never replaces fp16)."""
+    out: list[_Stored] = []
+    for layer, (x, rotary), kind in zip(layers, captured, kinds, strict=True):
+        projected = layer.project(x, rotary)
+        tried = _measure(projected, layer.scale, kind, compute_dtype)
+        for more_precise in _RETRY.get(kind, ()):
+            if tried.error is None or tried.error <= threshold:
+                break
+            tried = _measure(projected, layer.scale, more_precise, compute_dtype)
+        if (
+            tried.error is not None
+            and tried.error > threshold
+            and _bits(fallback, compute_dtype) > _bits(tried.kind, compute_dtype)
+        ):
+            tried = _Stored(fallback, tried.error)
+        out.append(tried)
+    return out, [stored.error for stored in out]
 
-    def measure(
-        kinds_: list[KVDType],
-    ) -> tuple[list[float | None], list[torch.Tensor | None]]:
-        plain = measure_errors(layers, captured, kinds_, compute_dtype)
-        shifted = measure_errors(layers, captured, kinds_, compute_dtype, list(candidates))
-        return best_of(plain, shifted, candidates)
 
-    errors, shifts = measure(kinds)
-    chosen = list(kinds)
-    retry: list[KVDType] = [
-        "fp8_e4m3" if kind == "fp8_e5m2" and e is not None and e > threshold else "auto"
-        for kind, e in zip(kinds, errors, strict=True)
-    ]
-    second, second_shifts = measure(retry)
-    for i, e in enumerate(second):
-        if e is not None:
-            errors[i], shifts[i] = e, second_shifts[i]
-            if e <= threshold:
-                chosen[i] = "fp8_e4m3"
-    chosen = choose(chosen, errors, threshold, fallback, compute_dtype)
-    shifts = [shift if kind in _LOW else None for kind, shift in zip(chosen, shifts, strict=True)]
-    return chosen, errors, shifts
+def calibrate(
+    layers: list[Any],
+    captured: list[tuple[torch.Tensor, Any]],
+    kinds: list[KVDType],
+    compute_dtype: torch.dtype,
+    threshold: float,
+    fallback: KVDType,
+    num_tokens: int,
+) -> Calibration:
+    stored, errors = decide(layers, captured, kinds, compute_dtype, threshold, fallback)
+    return Calibration(
+        policy=list(kinds),
+        chosen=[s.kind for s in stored],
+        errors=errors,
+        shifts=[s.shift for s in stored],
+        int8=[s.int8 for s in stored],
+        num_tokens=num_tokens,
+    )
 
 
 def summarize(calibration: Calibration) -> str:
     """One log line: layers per dtype, the largest errors, and which layers fell back."""
     rows = list(zip(calibration.policy, calibration.chosen, calibration.errors, strict=True))
-    moved = [
-        f"{i}:{before}→{after} ({error:.3f})"
-        for i, (before, after, error) in enumerate(rows)
-        if before != after and error is not None
-    ]
-    kept = [e for before, after, e in rows if e is not None and before == after]
+
+    def changes(same_byte: bool) -> list[str]:
+        return [
+            f"{i}:{before}→{after} ({error:.3f})"
+            for i, (before, after, error) in enumerate(rows)
+            if before != after and error is not None and (after in ONE_BYTE) == same_byte
+        ]
+
+    moved, retried = changes(same_byte=False), changes(same_byte=True)
+    kept = [e for b, a, e in rows if e is not None and (a in ONE_BYTE or a == b)]
     counts: dict[str, int] = {}
     for kind in calibration.chosen:
         counts[kind] = counts.get(kind, 0) + 1
     layers = ", ".join(f"{n} layers {k}" for k, n in sorted(counts.items()))
     fell_back = f"fell back: {', '.join(moved)}" if moved else "no layer fell back"
+    if retried:
+        fell_back = f"the same byte, more precise: {', '.join(retried)}; {fell_back}"
     shifted = sum(shift is not None for shift in calibration.shifts)
     return (
         f"KV precision calibrated on {calibration.num_tokens} tokens: {layers} ({shifted} "

@@ -171,7 +171,7 @@ class LLMEngine:
         dynamic = config.kv_cache.dynamic_precision
         calibration_ids = (
             self.tokenizer.encode(calibration_text(dynamic.calibration_file))
-            if dynamic.enabled
+            if config.kv_cache.needs_calibration
             else None
         )
         self.runner = ModelRunner(
@@ -411,13 +411,14 @@ class LLMEngine:
             )
         )
 
-    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+    def prompt_logits(self, token_ids: list[int], in_float32: bool = False) -> torch.Tensor:
         """Float32 logits [tokens, vocab] of every position of ``token_ids``, computed through
-        the paged cache as a prefill (for tests and calibration; needs free blocks)."""
+        the paged cache as a prefill (for tests and measurements; needs free blocks).
+        ``in_float32``: the LM head's product in float32 too, not only its result."""
         seq = Sequence("logits-probe", list(token_ids), len(token_ids), SamplingParams())
         self.block_manager.grow(seq.block_table, len(token_ids))
         try:
-            return self.runner.all_logits(seq)
+            return self.runner.all_logits(seq, in_float32)
         finally:
             self.block_manager.release(seq.block_table)
 

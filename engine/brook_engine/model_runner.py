@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ import torch
 from brook_engine.config import EngineConfig, KVDType
 from brook_engine.device import Backend
 from brook_engine.kv_cache import LayerKVCache, bytes_per_token
-from brook_engine.kv_calibration import Calibration, decide, summarize
+from brook_engine.kv_calibration import Calibration, calibrate, summarize
 from brook_engine.layers.attention import AttentionMetadata, PrefillSpan
 from brook_engine.layers.parallel import Shard
 from brook_engine.layers.rotary import RotaryEmbedding
@@ -175,10 +176,12 @@ class ModelRunner:
         # Rank 0: summed over the ranks at the last report, and the window before it.
         self.replica_counters = Counters(stage_compute=[0.0] * topo.pipeline)
         self.window = Counters(stage_compute=[0.0] * topo.pipeline)
-        dynamic = config.kv_cache.dynamic_precision
-        if comm is not None and dynamic.enabled:
+        calibrating = config.kv_cache.needs_calibration
+        if comm is not None and calibrating:
             calibration_ids = comm.broadcast_object(calibration_ids)
-        if dynamic.enabled and calibration_ids:
+        if "int8" in self.layer_kinds and not calibration_ids:
+            raise ValueError("INT8 KV layers need calibration text for their scales; none given")
+        if calibrating and calibration_ids:
             self.calibration = self._calibrate(calibration_ids)
             self.layer_kinds = self.calibration.chosen
             if topo.world_size == 1:
@@ -199,8 +202,10 @@ class ModelRunner:
             for kind in self.layer_kinds
         ]
         if self.calibration is not None:
-            for cache, shift in zip(self.caches, self.calibration.shifts, strict=True):
-                cache.k_shift = shift
+            for cache, shift, int8 in zip(
+                self.caches, self.calibration.shifts, self.calibration.int8, strict=True
+            ):
+                cache.k_shift, cache.int8 = shift, int8
         self.generators: dict[str, torch.Generator] = {}
         self._replica = self._gather_replica_facts()
 
@@ -293,15 +298,17 @@ class ModelRunner:
                 hook.remove()
             self.caches = []
         self._finish_step()
-        chosen, errors, shifts = decide(
+        # Dynamic precision off: the pass only fits INT8 layers' scales; nothing falls back.
+        threshold = dynamic.sensitivity_threshold if dynamic.enabled else math.inf
+        return calibrate(
             layers,
             captured,
             list(self.layer_kinds),
             self.dtype,
-            dynamic.sensitivity_threshold,
+            threshold,
             dynamic.fallback_dtype,
+            len(ids),
         )
-        return Calibration(list(self.layer_kinds), chosen, errors, shifts, len(ids))
 
     # -- memory ----------------------------------------------------------------------------
 
@@ -608,13 +615,14 @@ class ModelRunner:
         return None
 
     @torch.inference_mode()
-    def all_logits(self, seq: Sequence) -> torch.Tensor:
-        """Logits of every token of ``seq`` computed as one prefill ([tokens, vocab])."""
+    def all_logits(self, seq: Sequence, in_float32: bool = False) -> torch.Tensor:
+        """Logits of every token of ``seq`` computed as one prefill ([tokens, vocab]);
+        ``in_float32``: the LM head's product in float32 (``CausalLM.compute_logits``)."""
         if self.comm is not None:
             raise RuntimeError("all_logits needs a single-process engine (tensor 1, pipeline 1)")
         prep = self._prepare([_chunk(seq, seq.num_tokens)])
         hidden = self.model(prep.input_ids, prep.positions, self.rotary, self.caches, prep.meta)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden, in_float32)
 
     def _generator(self, chunk: SeqChunk) -> torch.Generator | None:
         params = chunk.params

@@ -189,15 +189,23 @@ def long_context(
     text_ids = policy.tokenizer.encode(_held_out_text(), add_special_tokens=False)
     chunk_len, num_chunks = 512, 8
     chunks = [text_ids[i * chunk_len : (i + 1) * chunk_len] for i in range(num_chunks)]
-    agree = total = 0
+    # Logits come from a float32 LM head here: a 16-bit head rounds logits so coarsely that
+    # the reference's top two tie exactly at some positions (a few % on SmolLM2 in bf16),
+    # where any change flips an arbitrary tie-break. The agreement with the model-dtype head
+    # and the number of such ties are reported beside it.
+    agree = agree_model_dtype = ties = total = 0
     nll: dict[str, float] = {"fp16": 0.0, "policy": 0.0}
     for chunk in chunks:
         target = torch.tensor(chunk[1:])
-        reference, lossy = (e.prompt_logits(chunk)[:-1] for e in (fp16, policy))
+        reference, lossy = (e.prompt_logits(chunk, in_float32=True)[:-1] for e in (fp16, policy))
         agree += int((reference.argmax(-1) == lossy.argmax(-1)).sum())
         total += len(chunk) - 1
         nll["fp16"] += float(F.cross_entropy(reference, target, reduction="sum"))
         nll["policy"] += float(F.cross_entropy(lossy, target, reduction="sum"))
+        coarse_ref, coarse = (e.prompt_logits(chunk)[:-1] for e in (fp16, policy))
+        agree_model_dtype += int((coarse_ref.argmax(-1) == coarse.argmax(-1)).sum())
+        top2 = coarse_ref.topk(2, dim=-1).values
+        ties += int((top2[:, 0] == top2[:, 1]).sum())
     ppl = {name: math.exp(value / total) for name, value in nll.items()}
     # Free-running greedy: where does the policy's output first differ from FP16's?
     rng = random.Random(seed)
@@ -224,6 +232,8 @@ def long_context(
         if calibration
         else None,
         "top1_agreement": agree / total,
+        "top1_agreement_model_dtype_head": agree_model_dtype / total,
+        "reference_top2_ties_model_dtype_head": ties,
         "perplexity_fp16": ppl["fp16"],
         "perplexity_policy": ppl["policy"],
         "perplexity_increase": ppl["policy"] / ppl["fp16"] - 1,

@@ -11,7 +11,7 @@ from pydantic import Field, model_validator
 from brook_engine.config.base import Section
 
 #: How a layer's keys and values are stored. auto: the model's compute dtype.
-KVDType = Literal["auto", "fp8_e5m2", "fp8_e4m3", "fp16", "bf16"]
+KVDType = Literal["auto", "fp8_e5m2", "fp8_e4m3", "int8", "fp16", "bf16"]
 
 #: Block sizes the attention kernels support.
 BlockSize = Literal[8, 16, 32, 64, 128, 256]
@@ -32,8 +32,9 @@ class LayerPolicy(Section):
     """End of the range as a fraction of the layers (exclusive; 1.0 is the last layer)."""
 
     dtype: KVDType
-    """Storage dtype of the range: fp8_e5m2 (no scale), fp8_e4m3 (with scales), fp16, bf16,
-    or auto (the model dtype)."""
+    """Storage dtype of the range: fp8_e5m2 (no scale), fp8_e4m3 (a scale per token and
+    head), int8 (per-channel scales fixed by the start-up calibration, in a rotated basis:
+    the KV format Ascend NPUs store natively), fp16, bf16, or auto (the model dtype)."""
 
     @model_validator(mode="after")
     def _ordered(self) -> LayerPolicy:
@@ -46,11 +47,12 @@ class LayerPolicy(Section):
 
 def seed_layer_policies() -> list[LayerPolicy]:
     """The default: early layers, whose KV errors attention averages out, in FP8 E5M2; the
-    middle in FP8 E4M3 with scales (more mantissa for the same bytes); the late layers, which
-    shape the output most, in FP16."""
+    middle in INT8 (the most precise byte: per-channel scales in a rotated basis); the late
+    layers, which shape the output most, in FP16. Calibration moves an early layer whose
+    error is too high to E4M3 or INT8 (the same byte) before it would take 16 bits."""
     return [
         LayerPolicy(start=0.0, end=0.3, dtype="fp8_e5m2"),
-        LayerPolicy(start=0.3, end=0.7, dtype="fp8_e4m3"),
+        LayerPolicy(start=0.3, end=0.7, dtype="int8"),
         LayerPolicy(start=0.7, end=1.0, dtype="fp16"),
     ]
 
@@ -143,6 +145,12 @@ class KVCacheConfig(Section):
         return (
             self.memory_fraction if self.memory_fraction is not None else (DEFAULT_MEMORY_FRACTION)
         )
+
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether start-up runs the calibration pass: for dynamic precision, or for the
+        scales of INT8 layers."""
+        return self.dynamic_precision.enabled or any(p.dtype == "int8" for p in self.layer_policies)
 
     @property
     def effective_min_prefix_len(self) -> int:

@@ -44,6 +44,7 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     cache.write(meta.slot_mapping, k, v)
+    q = cache.query(q)  # what scores the stored keys (INT8 stores them turned and scaled)
     out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
     if meta.num_decodes:
@@ -70,7 +71,7 @@ def paged_attention(
             .squeeze(0)
             .transpose(0, 1)
         )
-    return out
+    return cache.output(out)
 
 
 def _decode_attention(

@@ -230,7 +230,13 @@ class CausalLM(nn.Module):
         norm = self.model.norm
         return [norm(x) if norm is not None else x for x in xs]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[sequences, hidden] → float32 logits [sequences, vocab] (last stage only)."""
+    def compute_logits(self, hidden: torch.Tensor, in_float32: bool = False) -> torch.Tensor:
+        """[sequences, hidden] → float32 logits [sequences, vocab] (last stage only).
+        ``in_float32``: the head's product itself in float32 (one process only), so the
+        logits carry no 16-bit rounding — measurements compare them without the exact ties
+        a bf16 head leaves between close tokens."""
         assert self.lm_head is not None, "only the last pipeline stage has the LM head"
+        if in_float32:
+            assert self.lm_head.comm is None, "a float32 head needs the whole vocabulary here"
+            return F.linear(hidden.float(), self.lm_head.weight.float())
         return self.lm_head(hidden).float()  # type: ignore[no-any-return]

@@ -138,25 +138,29 @@ class Fleet:
 
 
 class Load:
-    """``concurrency`` clients sending completions to one server until stopped."""
+    """``concurrency`` clients sending completions to one server until stopped. Client i
+    asks for ``tokens - 9 i`` tokens: clients that start together would otherwise finish in
+    the same step, and a scrape between their requests would read the server idle."""
 
     def __init__(self, server: ServerProcess, concurrency: int, prompt: int, tokens: int) -> None:
         self.stop_event = threading.Event()
-        body = {
-            "model": "tiny",
-            "prompt": [7] * prompt,
-            "max_tokens": tokens,
-            "ignore_eos": True,
-        }
 
-        def client() -> None:
+        def client(index: int) -> None:
+            body = {
+                "model": "tiny",
+                "prompt": [7] * prompt,
+                "max_tokens": tokens - 9 * index,
+                "ignore_eos": True,
+            }
             while not self.stop_event.is_set():
                 try:
                     server.post("/v1/completions", body)
                 except OSError:
                     time.sleep(0.1)  # the server is gone: the test is stopping it
 
-        self.threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
+        self.threads = [
+            threading.Thread(target=client, args=(i,), daemon=True) for i in range(concurrency)
+        ]
         for thread in self.threads:
             thread.start()
 

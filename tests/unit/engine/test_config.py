@@ -63,8 +63,8 @@ def test_defaults_are_the_documented_ones() -> None:
     assert config.kv_cache.block_size == 16
     assert config.kv_cache.effective_memory_fraction == 0.9
     assert config.kv_cache.effective_min_prefix_len == 16
-    # The seed's policy: first 30% FP8 E5M2, middle FP8 E4M3, last 30% FP16.
-    assert config.kv_cache.layer_dtypes(10) == ["fp8_e5m2"] * 3 + ["fp8_e4m3"] * 4 + ["fp16"] * 3
+    # The seed's policy: first 30% FP8 E5M2, last 30% FP16; the middle INT8 (our choice).
+    assert config.kv_cache.layer_dtypes(10) == ["fp8_e5m2"] * 3 + ["int8"] * 4 + ["fp16"] * 3
     assert config.server.host == "127.0.0.1"
     assert config.server.api_key is None
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from prometheus_client import CollectorRegistry
 
 from brook_engine import LLM
@@ -55,13 +56,41 @@ def test_errors_are_measured_for_lossy_layers_and_the_threshold_decides(tiny: Pa
     threshold = float(errors[2]) * 1.01  # type: ignore[arg-type]
     strict = _llm(tiny, sensitivity_threshold=threshold).engine.runner
     assert strict.calibration is not None
-    retried = strict.calibration.errors  # E4M3's error for the E5M2 layers that retried it
-    for layer in (0, 1):  # E5M2 above the threshold: E4M3 if that is close enough, else FP16
+    retried = strict.calibration.errors  # INT8's error for the E5M2 layers that retried it
+    for layer in (0, 1):  # E5M2 above the threshold: INT8 if that is close enough, else FP16
         assert retried[layer] is not None and retried[layer] < errors[layer]  # type: ignore[operator]
-        expected = "fp8_e4m3" if retried[layer] <= threshold else "fp16"  # type: ignore[operator]
+        expected = "int8" if retried[layer] <= threshold else "fp16"  # type: ignore[operator]
         assert strict.layer_kinds[layer] == expected
+        assert (strict.calibration.int8[layer] is not None) == (expected == "int8")
     assert strict.layer_kinds[2:] == ["fp8_e4m3", "fp16"]
-    assert strict.kv_bytes_per_token > keep_all.kv_bytes_per_token
+
+    # Nothing within reach: every lossy layer takes the fallback, INT8 tried first.
+    none = _llm(tiny, sensitivity_threshold=1e-9).engine.runner
+    assert none.layer_kinds == ["fp16"] * 4
+    assert none.kv_bytes_per_token > keep_all.kv_bytes_per_token
+
+
+def test_int8_layers_are_fitted_even_with_dynamic_precision_off(tiny: Path) -> None:
+    """INT8's scales come from the calibration pass: it runs for them, and nothing falls back
+    (dynamic precision is what would move a layer)."""
+    llm = LLM(
+        str(tiny),
+        dtype="float32",
+        max_model_len=256,
+        kv_cache={
+            "num_blocks": 64,
+            "layer_policies": [{"start": 0.0, "end": 1.0, "dtype": "int8"}],
+            "dynamic_precision": {"enabled": False, "sensitivity_threshold": 1e-9},
+        },
+        progress=False,
+    )
+    runner = llm.engine.runner
+    assert runner.layer_kinds == ["int8"] * 4
+    assert runner.calibration is not None
+    assert all(p is not None for p in runner.calibration.int8)
+    assert all(c.k.dtype == torch.int8 and c.int8 is not None for c in runner.caches)
+    arch = llm.engine.arch
+    assert runner.kv_bytes_per_token == 4 * 2 * arch.num_kv_heads * arch.head_dim  # no scales
 
 
 def test_the_outcome_is_logged_and_exported(tiny: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -112,8 +141,6 @@ def test_shifting_stored_keys_leaves_attention_unchanged(
 ) -> None:
     """Softmax ignores a constant added to all of a query's scores, so keys stored minus any
     per-head vector give the same logits and tokens, in prefill and decode."""
-    import torch
-
     llm = LLM(
         str(make_tiny_model("llama")),
         dtype="float32",
@@ -142,3 +169,39 @@ def test_shifting_stored_keys_leaves_attention_unchanged(
     shifted_tokens = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     torch.testing.assert_close(shifted_logits, plain_logits, rtol=1e-4, atol=1e-4)
     assert shifted_tokens == plain_tokens
+
+
+def test_int8_attention_is_the_exact_attention_up_to_rounding() -> None:
+    """INT8 never turns the cache back: attention scores the stored integers with a turned,
+    scaled query and turns the output back. Over keys with a large mean and one outlier
+    channel, that equals attention over the real keys and values up to the rounding, which is
+    finer than E4M3's with its per-token scales."""
+    from brook_engine.kv_cache import Int8Params, LayerKVCache
+
+    gen = torch.Generator().manual_seed(0)
+    tokens, heads, kv_heads, dim = 48, 4, 2, 16
+    q = torch.randn(tokens, heads, dim, generator=gen)
+    k = torch.randn(tokens, kv_heads, dim, generator=gen) + 4.0
+    k[:, :, 3] *= 20  # an outlier channel
+    v = torch.randn(tokens, kv_heads, dim, generator=gen) / 3 - 1.0
+
+    def attend(q_: torch.Tensor, k_: torch.Tensor, v_: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(
+            q_.transpose(0, 1), k_, v_, is_causal=True, enable_gqa=True
+        ).transpose(0, 1)
+
+    exact = attend(q, k.transpose(0, 1), v.transpose(0, 1))
+    errors = {}
+    for kind in ("int8", "fp8_e4m3"):
+        cache = LayerKVCache.allocate(6, 8, kv_heads, dim, kind, torch.float32, q.device)
+        if kind == "int8":
+            cache.int8 = Int8Params.fit(q, k, v)
+        slots = torch.arange(tokens)
+        cache.write(slots, k, v)
+        ck, cv = cache.read(slots)
+        assert torch.equal(torch.stack(cache.as_stored(k, v)), torch.stack((ck, cv)))
+        out = cache.output(attend(cache.query(q), ck, cv))
+        assert out.dtype == torch.float32
+        errors[kind] = float((out - exact).norm() / exact.norm())
+    assert errors["int8"] < 0.01
+    assert errors["int8"] < errors["fp8_e4m3"] / 2

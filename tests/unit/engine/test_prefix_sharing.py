@@ -189,7 +189,7 @@ def _llm(path: Path, sharing: bool, kv_dtype: str) -> LLM:
     )
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp16", "fp8_e4m3"])
+@pytest.mark.parametrize("kv_dtype", ["fp16", "fp8_e4m3", "int8"])
 def test_sharing_gives_the_same_greedy_tokens_as_no_sharing(
     make_tiny_model: Callable[..., Path], kv_dtype: str
 ) -> None:
