@@ -26,6 +26,7 @@ from brook_engine.config import KVDType
 
 _FP8_E4M3_MAX = 448.0
 _INT8_MAX = 127.0
+_LOG_BALANCE = math.log(16.0)  # INT8 key channel weights stay within [1/16, 16]
 _STORAGE = {
     "int8": torch.int8,
     "fp16": torch.float16,
@@ -83,8 +84,11 @@ class Int8Params:
             kv_heads, dim = k.shape[1], k.shape[2]
             q_energy = q.float().view(q.shape[0], kv_heads, -1, dim).pow(2).mean(dim=(0, 2))
             k_energy = (k32 - k_mean).pow(2).mean(dim=0)
-            balance = (q_energy / k_energy.clamp_min(1e-12)).clamp_min(1e-12).pow(0.25)
-            balance = (balance / balance.log().mean(dim=-1, keepdim=True).exp()).clamp(1 / 16, 16)
+            # In logs, bounded before centring so one dead channel cannot skew the others.
+            log_ratio = (q_energy.clamp_min(1e-12) / k_energy.clamp_min(1e-12)).log() / 4
+            log_balance = log_ratio.clamp(-_LOG_BALANCE, _LOG_BALANCE)
+            log_balance = log_balance - log_balance.mean(dim=-1, keepdim=True)
+            balance = log_balance.clamp(-_LOG_BALANCE, _LOG_BALANCE).exp()
 
         def scale(x: torch.Tensor, mean: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             amax = (((x - mean) * weight) @ rot).abs().amax(dim=0)
@@ -248,8 +252,8 @@ class LayerKVCache:
         return out if self.int8 is None else self.int8.output(out, self.compute_dtype)
 
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values at ``slots`` (any shape S) as [kv_heads, *S, head_dim] in the
-        compute dtype (for INT8: the stored integers; see ``query`` and ``output``)."""
+        """Keys and values at ``slots`` (any shape S) as [kv_heads, *S, head_dim] in
+        ``attention_dtype`` (for INT8: the stored integers in float32; see ``query``)."""
         k = _load(self.k, slots).to(self.attention_dtype)
         v = _load(self.v, slots).to(self.attention_dtype)
         if self.k_scale is not None and self.v_scale is not None:

@@ -4,9 +4,11 @@ change is too large to the fallback precision.
 
 One forward pass over calibration text (the user's file, or text that ships with Python:
 the interpreter's own help topics) captures each attention layer's input. For each layer,
-the queries, keys and values are recomputed from it, and causal attention is evaluated
-twice, with keys and values as computed and as the cache would store them (an INT8 layer's
-means, rotation and scales are fitted on these keys and values first):
+the queries, keys and values are recomputed from it — as if the text sat at several
+positions, since rotary embedding turns keys with their position — and causal attention is
+evaluated twice, with keys and values as computed and as the cache would store them (key
+shifts and an INT8 layer's means, weights and scales are fitted on some positions, the error
+is the largest over others):
 
     error = |attn(q, stored K, stored V) - attn(q, K, V)| / |attn(q, K, V)|
 
@@ -25,7 +27,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +55,8 @@ class Calibration:
 
     errors: list[float | None]
     """Measured relative error per layer, of the chosen kind, or of the last one-byte kind
-    tried where the layer fell back; None where the layer was not low precision."""
+    tried where the layer fell back; None where it was not measured (a kind at least as
+    precise as the compute dtype; or, with dynamic precision off, any kind but INT8)."""
 
     shifts: list[torch.Tensor | None]
     """Per FP8 layer, the key shift stored keys have subtracted (``LayerKVCache.k_shift``),
@@ -102,46 +104,77 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
 
 
 @dataclass(frozen=True)
-class _Stored:
+class StoredAs:
     """One way to store a layer's KV, and the error it adds."""
 
     kind: KVDType
-    error: float | None  # None: stores at least the compute precision
+    error: float | None  # None: not measured (stores at least the compute precision)
     shift: torch.Tensor | None = None
     int8: Int8Params | None = None
 
 
-def _measure(
-    projected: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    scale: float,
-    kind: KVDType,
-    compute_dtype: torch.dtype,
-) -> _Stored:
-    """The lowest error ``kind`` reaches on one layer's calibration q, k, v [tokens, heads,
-    head_dim]: FP8 with keys as they are or minus their per-head mean (whichever is lower),
-    INT8 with parameters fitted on the same keys and values."""
-    q, k, v = projected
+Projected = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class LayerSample:
+    """One layer's calibration queries, keys and values [tokens, heads, head_dim], computed
+    as if the text sat at several positions (rotary turns keys with their position, so a
+    mean or a range taken at positions 0 to 1,023 alone would not hold at 30,000): ``fit`` to
+    fit shifts and INT8 parameters on, ``measure`` to measure errors on (see
+    ``calibration_positions``)."""
+
+    fit: list[Projected]
+    measure: list[Projected]
+    scale: float
+
+    def __post_init__(self) -> None:
+        self._exact: list[torch.Tensor] = []
+
+    def fit_tensors(self) -> Projected:
+        q, k, v = (torch.cat(parts) for parts in zip(*self.fit, strict=True))
+        return q, k, v
+
+    def exact(self, view: int) -> torch.Tensor:
+        if not self._exact:
+            self._exact = [
+                _attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), self.scale)
+                for q, k, v in self.measure
+            ]
+        return self._exact[view]
+
+
+def _measure(sample: LayerSample, kind: KVDType, compute_dtype: torch.dtype) -> StoredAs:
+    """The lowest error ``kind`` reaches on one layer (the largest over the measured
+    views): FP8 with keys as they are or minus their mean (whichever is lower), INT8 with
+    parameters fitted on the fit views."""
     if kind not in ONE_BYTE and not (kind in ("fp16", "bf16") and compute_dtype == torch.float32):
-        return _Stored(kind, None)
-    exact = _attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale)
+        return StoredAs(kind, None)
 
     def error(shift: torch.Tensor | None, int8: Int8Params | None) -> float:
-        probe = LayerKVCache.allocate(1, 1, k.shape[1], k.shape[2], kind, compute_dtype, k.device)
-        probe.k_shift, probe.int8 = shift, int8
-        k_stored, v_stored = probe.as_stored(k, v)
-        lossy = _attention(probe.query(q).transpose(0, 1), k_stored, v_stored, scale)
-        if int8 is not None:
-            lossy = int8.output(lossy.transpose(0, 1), q.dtype).float().transpose(0, 1)
-        return float((lossy - exact).norm() / exact.norm().clamp_min(1e-12))
+        worst = 0.0
+        for view, (q, k, v) in enumerate(sample.measure):
+            probe = LayerKVCache.allocate(
+                1, 1, k.shape[1], k.shape[2], kind, compute_dtype, k.device
+            )
+            probe.k_shift, probe.int8 = shift, int8
+            k_stored, v_stored = probe.as_stored(k, v)
+            lossy = _attention(probe.query(q).transpose(0, 1), k_stored, v_stored, sample.scale)
+            if int8 is not None:
+                lossy = int8.output(lossy.transpose(0, 1), q.dtype).float().transpose(0, 1)
+            exact = sample.exact(view)
+            worst = max(worst, float((lossy - exact).norm() / exact.norm().clamp_min(1e-12)))
+        return worst
 
     if kind == "int8":
-        params = Int8Params.fit(q, k, v)
-        return _Stored(kind, error(None, params), int8=params)
-    plain = _Stored(kind, error(None, None))
+        params = Int8Params.fit(*sample.fit_tensors())
+        return StoredAs(kind, error(None, params), int8=params)
+    plain = StoredAs(kind, error(None, None))
     if kind not in ONE_BYTE:
         return plain
+    k = sample.fit_tensors()[1]
     shift = k.float().mean(dim=0).to(k.dtype)
-    shifted = _Stored(kind, error(shift, None), shift=shift)
+    shifted = StoredAs(kind, error(shift, None), shift=shift)
     return shifted if shifted.error < plain.error else plain  # type: ignore[operator]
 
 
@@ -157,53 +190,78 @@ def _bits(kind: KVDType, compute_dtype: torch.dtype) -> int:
 
 @torch.inference_mode()
 def decide(
-    layers: list[Any],
-    captured: list[tuple[torch.Tensor, Any]],
+    samples: list[LayerSample],
     kinds: list[KVDType],
     compute_dtype: torch.dtype,
-    threshold: float,
+    threshold: float | None,
     fallback: KVDType,
-) -> tuple[list[_Stored], list[float | None]]:
-    """Per layer, how it is stored, and its measured error. An FP8 layer above the
-    threshold tries INT8 (the same byte, more precise); where that is not within it either,
-    the layer takes the fallback — unless the fallback would store no more precisely than the
-    last kind tried (bf16 never replaces fp16)."""
-    out: list[_Stored] = []
-    for layer, (x, rotary), kind in zip(layers, captured, kinds, strict=True):
-        projected = layer.project(x, rotary)
-        tried = _measure(projected, layer.scale, kind, compute_dtype)
+) -> list[StoredAs]:
+    """Per layer, how it is stored and its measured error. An FP8 layer above the threshold
+    tries INT8 (the same byte, more precise); where that is not within it either, the layer
+    takes the fallback — unless the fallback would store no more precisely than the last
+    kind tried (bf16 never replaces fp16). ``threshold`` None (dynamic precision off): only
+    INT8 layers are fitted, every layer keeps its kind."""
+    out: list[StoredAs] = []
+    for sample, kind in zip(samples, kinds, strict=True):
+        if threshold is None:
+            fitted = kind == "int8"
+            out.append(_measure(sample, kind, compute_dtype) if fitted else StoredAs(kind, None))
+            continue
+        tried = _measure(sample, kind, compute_dtype)
         for more_precise in _RETRY.get(kind, ()):
             if tried.error is None or tried.error <= threshold:
                 break
-            tried = _measure(projected, layer.scale, more_precise, compute_dtype)
+            tried = _measure(sample, more_precise, compute_dtype)
         if (
             tried.error is not None
             and tried.error > threshold
             and _bits(fallback, compute_dtype) > _bits(tried.kind, compute_dtype)
         ):
-            tried = _Stored(fallback, tried.error)
+            tried = StoredAs(fallback, tried.error)
         out.append(tried)
-    return out, [stored.error for stored in out]
+    return out
 
 
 def calibrate(
-    layers: list[Any],
-    captured: list[tuple[torch.Tensor, Any]],
+    samples: list[LayerSample],
     kinds: list[KVDType],
     compute_dtype: torch.dtype,
-    threshold: float,
+    threshold: float | None,
     fallback: KVDType,
     num_tokens: int,
 ) -> Calibration:
-    stored, errors = decide(layers, captured, kinds, compute_dtype, threshold, fallback)
+    stored = decide(samples, kinds, compute_dtype, threshold, fallback)
     return Calibration(
         policy=list(kinds),
         chosen=[s.kind for s in stored],
-        errors=errors,
+        errors=[s.error for s in stored],
         shifts=[s.shift for s in stored],
         int8=[s.int8 for s in stored],
         num_tokens=num_tokens,
     )
+
+
+#: Views of the calibration text at random positions that shifts and INT8 ranges are
+#: fitted on, besides its own positions.
+RANDOM_POSITION_VIEWS = 7
+
+
+def calibration_positions(
+    num_tokens: int, max_positions: int, seed: int = 0
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Positions to place the calibration text at, to fit on and to measure on. Fit: its
+    own positions, then each token at an independent random position below
+    ``max_positions`` (rotary turns each pair of channels at its own speed; consecutive
+    positions far out would sample few of the angle combinations keys take there). Measure:
+    its own positions, and consecutive ones at five sixths of the room the model leaves."""
+    own = torch.arange(num_tokens)
+    gen = torch.Generator().manual_seed(seed)
+    random_views = [
+        torch.randint(0, max_positions, (num_tokens,), generator=gen)
+        for _ in range(RANDOM_POSITION_VIEWS)
+    ]
+    far = own + round(max(0, max_positions - num_tokens) * 5 / 6)
+    return [own, *random_views], [own, far]
 
 
 def summarize(calibration: Calibration) -> str:

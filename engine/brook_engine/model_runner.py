@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -24,7 +23,13 @@ import torch
 from brook_engine.config import EngineConfig, KVDType
 from brook_engine.device import Backend
 from brook_engine.kv_cache import LayerKVCache, bytes_per_token
-from brook_engine.kv_calibration import Calibration, calibrate, summarize
+from brook_engine.kv_calibration import (
+    Calibration,
+    LayerSample,
+    calibrate,
+    calibration_positions,
+    summarize,
+)
 from brook_engine.layers.attention import AttentionMetadata, PrefillSpan
 from brook_engine.layers.parallel import Shard
 from brook_engine.layers.rotary import RotaryEmbedding
@@ -87,6 +92,21 @@ class _Prepared:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+#: Calibration tokens INT8 scales need at least (fewer when the model is shorter).
+MIN_INT8_CALIBRATION_TOKENS = 256
+
+
+def _check_int8_calibration(ids: list[int] | None, max_model_len: int) -> None:
+    need = min(MIN_INT8_CALIBRATION_TOKENS, max_model_len)
+    have = len(ids or [])
+    if have < need:
+        raise ValueError(
+            f"INT8 KV layers take their scales from calibration text: it gives {have} tokens, "
+            f"they need at least {need}; give a longer kvCache.dynamicPrecision."
+            "calibrationFile (or leave it unset for the built-in text)"
+        )
 
 
 class ModelRunner:
@@ -179,8 +199,8 @@ class ModelRunner:
         calibrating = config.kv_cache.needs_calibration
         if comm is not None and calibrating:
             calibration_ids = comm.broadcast_object(calibration_ids)
-        if "int8" in self.layer_kinds and not calibration_ids:
-            raise ValueError("INT8 KV layers need calibration text for their scales; none given")
+        if "int8" in policy:  # every rank checks the whole policy: all of them stop alike
+            _check_int8_calibration(calibration_ids, self.max_model_len)
         if calibrating and calibration_ids:
             self.calibration = self._calibrate(calibration_ids)
             self.layer_kinds = self.calibration.chosen
@@ -298,16 +318,19 @@ class ModelRunner:
                 hook.remove()
             self.caches = []
         self._finish_step()
-        # Dynamic precision off: the pass only fits INT8 layers' scales; nothing falls back.
-        threshold = dynamic.sensitivity_threshold if dynamic.enabled else math.inf
+        fit_at, measure_at = calibration_positions(len(ids), self.max_model_len)
+
+        def views(layer: Any, x: torch.Tensor, placements: list[torch.Tensor]) -> list[Any]:
+            return [layer.project(x, self.rotary.lookup(p.to(self.device))) for p in placements]
+
+        samples = [
+            LayerSample(views(layer, x, fit_at), views(layer, x, measure_at), layer.scale)
+            for layer, (x, _) in zip(layers, captured, strict=True)
+        ]
+        # Dynamic precision off: the pass only fits INT8 layers; nothing moves.
+        threshold = dynamic.sensitivity_threshold if dynamic.enabled else None
         return calibrate(
-            layers,
-            captured,
-            list(self.layer_kinds),
-            self.dtype,
-            threshold,
-            dynamic.fallback_dtype,
-            len(ids),
+            samples, list(self.layer_kinds), self.dtype, threshold, dynamic.fallback_dtype, len(ids)
         )
 
     # -- memory ----------------------------------------------------------------------------

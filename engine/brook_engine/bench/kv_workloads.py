@@ -207,6 +207,13 @@ def long_context(
         top2 = coarse_ref.topk(2, dim=-1).values
         ties += int((top2[:, 0] == top2[:, 1]).sum())
     ppl = {name: math.exp(value / total) for name, value in nll.items()}
+    # The same text as 2 × 2,048 tokens: positions past the 1,024 that calibration reads.
+    agree_long = total_long = 0
+    for i in range(2):
+        chunk = text_ids[i * seq_len : (i + 1) * seq_len]
+        reference, lossy = (e.prompt_logits(chunk, in_float32=True)[:-1] for e in (fp16, policy))
+        agree_long += int((reference.argmax(-1) == lossy.argmax(-1)).sum())
+        total_long += len(chunk) - 1
     # Free-running greedy: where does the policy's output first differ from FP16's?
     rng = random.Random(seed)
     starts = [rng.randrange(0, len(text_ids) - 64) for _ in range(max(1, num_requests // 2))]
@@ -233,6 +240,7 @@ def long_context(
         else None,
         "top1_agreement": agree / total,
         "top1_agreement_model_dtype_head": agree_model_dtype / total,
+        "top1_agreement_2048_token_chunks": agree_long / total_long,
         "reference_top2_ties_model_dtype_head": ties,
         "perplexity_fp16": ppl["fp16"],
         "perplexity_policy": ppl["policy"],

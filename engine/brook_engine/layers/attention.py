@@ -54,7 +54,11 @@ def paged_attention(
         out[:n] = _decode_attention(q[:n], ck, cv, meta.decode_bias, scale)
     for span in meta.prefills:
         rows = slice(span.start, span.start + span.num_tokens)
-        if span.slots is None:
+        if span.slots is None and cache.int8 is not None:
+            # Read back what was written: encoding the span alone is a matrix product of
+            # another size, which an accelerator's BLAS may round differently.
+            ck, cv = cache.read(meta.slot_mapping[rows])
+        elif span.slots is None:
             ck, cv = cache.as_stored(k[rows], v[rows])  # [kv_heads, new, head_dim]
         else:
             ck, cv = cache.read(span.slots)  # [kv_heads, context, head_dim]

@@ -205,3 +205,59 @@ def test_int8_attention_is_the_exact_attention_up_to_rounding() -> None:
         errors[kind] = float((out - exact).norm() / exact.norm())
     assert errors["int8"] < 0.01
     assert errors["int8"] < errors["fp8_e4m3"] / 2
+
+
+class _BiasedKeys:
+    """An attention layer whose keys carry a large constant before rotary embedding, as real
+    models' keys do: after rotary the mean key turns with the position."""
+
+    scale = 0.25
+
+    def __init__(self, dim: int) -> None:
+        gen = torch.Generator().manual_seed(1)
+        self.wq = torch.randn(dim, 2 * dim, generator=gen) / dim**0.5
+        self.wk = torch.randn(dim, dim, generator=gen) / dim**0.5
+        self.wv = torch.randn(dim, dim, generator=gen) / dim**0.5
+        self.bias = torch.randn(dim, generator=gen) * 6
+        self.dim = dim
+
+    def project(
+        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        from brook_engine.layers.rotary import apply_rotary
+
+        tokens = x.shape[0]
+        q = apply_rotary((x @ self.wq).view(tokens, 2, self.dim), *rotary)
+        k = apply_rotary((x @ self.wk + self.bias).view(tokens, 1, self.dim), *rotary)
+        return q, k, (x @ self.wv).view(tokens, 1, self.dim)
+
+
+def test_int8_ranges_hold_at_positions_far_past_the_calibration_text() -> None:
+    """Keys turn with their position, so a mean and ranges fitted at the text's own
+    positions saturate far from them; fitted with the text also placed at random positions
+    across the model's length (``calibration_positions``), the error at a far position
+    stays small."""
+    from brook_engine.kv_calibration import LayerSample, calibration_positions, decide
+    from brook_engine.layers.rotary import RotaryEmbedding
+
+    dim, tokens, max_positions = 16, 128, 8192
+    rotary = RotaryEmbedding(dim, max_positions, 10000.0, "default", {}, torch.float32, "cpu")
+    layer = _BiasedKeys(dim)
+    x = torch.randn(tokens, dim, generator=torch.Generator().manual_seed(2))
+    fit_at, measure_at = calibration_positions(tokens, max_positions)
+    own = torch.arange(tokens)
+    assert torch.equal(fit_at[0], own) and torch.equal(measure_at[0], own)
+    assert all(int(p.max()) < max_positions for p in fit_at)
+    assert int(measure_at[1][0]) == round((max_positions - tokens) * 5 / 6)
+
+    def views(placements: list[torch.Tensor]) -> list[Any]:
+        return [layer.project(x, rotary.lookup(p)) for p in placements]
+
+    spread = LayerSample(views(fit_at), views(measure_at), layer.scale)
+    near = LayerSample(views(fit_at[:1]), views(measure_at), layer.scale)
+    [fitted] = decide([spread], ["int8"], torch.float32, 1.0, "fp16")
+    [naive] = decide([near], ["int8"], torch.float32, 1.0, "fp16")
+    assert fitted.kind == naive.kind == "int8"
+    assert fitted.error is not None and naive.error is not None
+    assert fitted.error < 0.05
+    assert naive.error > 5 * fitted.error
