@@ -193,7 +193,7 @@ def long_context(
     # the reference's top two tie exactly at some positions (a few % on SmolLM2 in bf16),
     # where any change flips an arbitrary tie-break. The agreement with the model-dtype head
     # and the number of such ties are reported beside it.
-    agree = agree_model_dtype = ties = total = 0
+    agree = agree_model_dtype = agree_untied = ties = total = 0
     nll: dict[str, float] = {"fp16": 0.0, "policy": 0.0}
     for chunk in chunks:
         target = torch.tensor(chunk[1:])
@@ -203,9 +203,12 @@ def long_context(
         nll["fp16"] += float(F.cross_entropy(reference, target, reduction="sum"))
         nll["policy"] += float(F.cross_entropy(lossy, target, reduction="sum"))
         coarse_ref, coarse = (e.prompt_logits(chunk)[:-1] for e in (fp16, policy))
-        agree_model_dtype += int((coarse_ref.argmax(-1) == coarse.argmax(-1)).sum())
+        same = coarse_ref.argmax(-1) == coarse.argmax(-1)
         top2 = coarse_ref.topk(2, dim=-1).values
-        ties += int((top2[:, 0] == top2[:, 1]).sum())
+        tied = top2[:, 0] == top2[:, 1]
+        agree_model_dtype += int(same.sum())
+        agree_untied += int((same & ~tied).sum())
+        ties += int(tied.sum())
     ppl = {name: math.exp(value / total) for name, value in nll.items()}
     # The same text as 2 × 2,048 tokens: positions past the 1,024 that calibration reads.
     agree_long = total_long = 0
@@ -242,6 +245,7 @@ def long_context(
         "top1_agreement_model_dtype_head": agree_model_dtype / total,
         "top1_agreement_2048_token_chunks": agree_long / total_long,
         "reference_top2_ties_model_dtype_head": ties,
+        "top1_agreement_model_dtype_head_untied": agree_untied / max(1, total - ties),
         "perplexity_fp16": ppl["fp16"],
         "perplexity_policy": ppl["policy"],
         "perplexity_increase": ppl["policy"] / ppl["fp16"] - 1,
