@@ -34,6 +34,13 @@ def _add_engine_flags(parser: argparse.ArgumentParser, model_required: bool = Tr
         help="store every layer's KV in this dtype (auto, fp16, bf16, int8, fp8_e4m3, fp8_e5m2) "
         "instead of the per-layer default policy",
     )
+    parser.add_argument(
+        "--one-row-weights",
+        choices=["model", "fp16"],
+        default=None,
+        help="shapes.oneRowWeights: fp16 keeps an FP16 copy of a bfloat16 model's weights on "
+        "CPU for single-sequence decode steps (faster there, the weights' memory once more)",
+    )
 
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -51,6 +58,8 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         kv["dynamic_precision"] = {"enabled": False}
     if kv:
         options["kv_cache"] = kv
+    if getattr(args, "one_row_weights", None):
+        options["shapes"] = {"one_row_weights": args.one_row_weights}
     return options
 
 

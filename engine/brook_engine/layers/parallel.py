@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from brook_engine.layers.linear import one_row_linear
+
 
 class TensorComm(Protocol):
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor: ...
@@ -88,8 +90,10 @@ class VocabParallelEmbedding(_VocabSlice):
 class VocabParallelHead(_VocabSlice):
     """The LM head over this rank's vocabulary slice; ``logits`` gathers the full row."""
 
+    one_row: torch.Tensor | None = None  # FP16 copy for one-row products (layers.linear)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = one_row_linear(hidden, self.weight, None, self.one_row)
         if self.comm is None:
             return logits
         return self.comm.all_gather_last_dim(logits)[:, : self.vocab_size]

@@ -18,6 +18,7 @@ from torch import nn
 
 from brook_engine.kv_cache import LayerKVCache
 from brook_engine.layers.attention import AttentionMetadata, paged_attention
+from brook_engine.layers.linear import Linear
 from brook_engine.layers.norm import RMSNorm
 from brook_engine.layers.parallel import (
     Shard,
@@ -49,10 +50,10 @@ class Attention(nn.Module):
         self.head_dim = arch.head_dim
         self.q_size = self.num_heads * arch.head_dim
         self.kv_size = self.num_kv_heads * arch.head_dim
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias, dtype=dtype
         )
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_bias, dtype=dtype)
+        self.o_proj = Linear(self.q_size, arch.hidden_size, bias=arch.o_bias, dtype=dtype)
         self.scale = arch.head_dim**-0.5
         self.comm = comm if shard.tp_size > 1 else None
 
@@ -88,10 +89,10 @@ class MLP(nn.Module):
     ) -> None:
         super().__init__()
         self.intermediate = arch.intermediate_size // shard.tp_size
-        self.gate_up_proj = nn.Linear(
+        self.gate_up_proj = Linear(
             arch.hidden_size, 2 * self.intermediate, bias=arch.mlp_bias, dtype=dtype
         )
-        self.down_proj = nn.Linear(
+        self.down_proj = Linear(
             self.intermediate, arch.hidden_size, bias=arch.mlp_bias, dtype=dtype
         )
         self.comm = comm if shard.tp_size > 1 else None

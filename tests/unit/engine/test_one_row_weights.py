@@ -1,0 +1,119 @@
+"""FP16 copies for one-row products (``shapes.oneRowWeights``): the copy is used only for a
+single row, it is at least as exact as the BF16 product, an overflow in FP16 is recomputed
+with the model's weights, and the option is ignored where it does not apply."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from brook_engine import LLM
+from brook_engine.layers.linear import keep_one_row_copies, model_dtype_products, one_row_linear
+
+EXACT_KV = {
+    "num_blocks": 32,
+    "layer_policies": [{"start": 0.0, "end": 1.0, "dtype": "auto"}],
+    "dynamic_precision": {"enabled": False},
+}
+
+
+def test_one_row_products_use_the_copy_and_lose_nothing_against_bf16() -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(256, 128, generator=gen) / 10).to(torch.bfloat16)
+    bias = torch.randn(256, generator=gen).to(torch.bfloat16)
+    copy = weight.to(torch.float16)
+    assert torch.equal(copy.to(torch.bfloat16), weight)  # BF16 → FP16 is exact here
+    row = torch.randn(1, 128, generator=gen).to(torch.bfloat16)
+    exact = F.linear(row.double(), weight.double(), bias.double())
+    through_copy = one_row_linear(row, weight, bias, copy)
+    plain = F.linear(row, weight, bias)
+    assert through_copy.dtype == torch.bfloat16
+    error_copy = float((through_copy.double() - exact).norm())
+    error_plain = float((plain.double() - exact).norm())
+    assert error_copy <= error_plain * 1.5 + 1e-3
+    # More than one row, or inside model_dtype_products: the model's weights, bit for bit.
+    rows = torch.randn(3, 128, generator=gen).to(torch.bfloat16)
+    assert torch.equal(one_row_linear(rows, weight, bias, copy), F.linear(rows, weight, bias))
+    with model_dtype_products():
+        assert torch.equal(one_row_linear(row, weight, bias, copy), plain)
+
+
+def _llm(folder: Path, one_row: str) -> LLM:
+    return LLM(
+        str(folder),
+        dtype="bfloat16",
+        max_model_len=128,
+        kv_cache=EXACT_KV,
+        shapes={"one_row_weights": one_row},
+        progress=False,
+    )
+
+
+def test_the_engine_keeps_copies_counts_them_and_decodes_alike(
+    make_tiny_model: Callable[..., Path],
+) -> None:
+    folder = make_tiny_model("llama")
+    plain, copies = _llm(folder, "model"), _llm(folder, "fp16")
+    assert not plain.engine.runner.one_row_copies and copies.engine.runner.one_row_copies
+    model = copies.engine.runner.model
+    layers = model.model.layers
+    products = [layers[0].self_attn.qkv_proj, layers[0].mlp.down_proj, model.lm_head]
+    assert all(m.one_row is not None and m.one_row.dtype == torch.float16 for m in products)
+    copied = sum(
+        m.weight.numel() for m in model.modules() if getattr(m, "one_row", None) is not None
+    )
+    assert copied > 0
+    assert copies.engine.runner.weight_bytes - plain.engine.runner.weight_bytes == 2 * copied
+    # One row: through the copies, as close to float32 as the BF16 products are.
+    reference = LLM(
+        str(folder), dtype="float32", max_model_len=128, kv_cache=EXACT_KV, progress=False
+    )
+    exact = reference.engine.prompt_logits([11])
+    error = {
+        name: float((llm.engine.prompt_logits([11]) - exact).norm())
+        for name, llm in (("plain", plain), ("copies", copies))
+    }
+    assert error["copies"] <= 1.5 * error["plain"] + 1e-2, error
+    longer = list(range(5, 25))  # more than one row: the model's weights, bit for bit
+    assert torch.equal(copies.engine.prompt_logits(longer), plain.engine.prompt_logits(longer))
+
+
+def test_an_fp16_overflow_is_recomputed_with_the_model_weights(
+    make_tiny_model: Callable[..., Path],
+) -> None:
+    folder = make_tiny_model("llama")
+    plain, copies = _llm(folder, "model"), _llm(folder, "fp16")
+    for llm in (plain, copies):  # products far beyond FP16's 65,504, fine in BF16
+        down = llm.engine.runner.model.model.layers[0].mlp.down_proj
+        down.weight.data *= 1e6
+    keep_one_row_copies(copies.engine.runner.model)
+    down = copies.engine.runner.model.model.layers[0].mlp.down_proj
+    row = torch.ones(1, down.in_features, dtype=torch.bfloat16)
+    assert not F.linear(row.half(), down.one_row).isfinite().all()  # the copy overflows
+    # The layers overflowed and were recomputed with BF16 weights; the head's copy (finite)
+    # is left out here so that the whole step is the plain engine's, bit for bit.
+    copies.engine.runner.model.lm_head.one_row = None
+    got = copies.engine.prompt_logits([11])
+    assert got.isfinite().all()
+    assert torch.equal(got, plain.engine.prompt_logits([11]))
+
+
+def test_ignored_where_it_does_not_apply(
+    make_tiny_model: Callable[..., Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="brook_engine.model_runner"):
+        llm = LLM(
+            str(make_tiny_model("llama")),
+            dtype="float32",
+            max_model_len=128,
+            kv_cache=EXACT_KV,
+            shapes={"one_row_weights": "fp16"},
+            progress=False,
+        )
+    assert not llm.engine.runner.one_row_copies
+    assert "oneRowWeights fp16 applies to bfloat16 models on CPU; ignored" in caplog.text
