@@ -31,7 +31,7 @@ from brook_engine.kv_calibration import (
     summarize,
 )
 from brook_engine.layers.attention import AttentionMetadata, PrefillSpan
-from brook_engine.layers.linear import keep_one_row_copies, model_dtype_products
+from brook_engine.layers.linear import keep_one_row_copies
 from brook_engine.layers.parallel import Shard
 from brook_engine.layers.rotary import RotaryEmbedding
 from brook_engine.layers.sampler import SampleResult
@@ -584,9 +584,9 @@ class ModelRunner:
         for i, prep in enumerate(stage_loop):
             inputs = receives[i].wait() if receives else prep.input_ids
             start = time.perf_counter()
-            hidden = self._forward(inputs, prep.positions, prep.meta)
+            hidden = self.model(inputs, prep.positions, self.rotary, self.caches, prep.meta)
             if topo.is_last_stage and sample and prep.samplers:
-                logits.append(self._logits(hidden[prep.last_rows]))
+                logits.append(self.model.compute_logits(hidden[prep.last_rows]))
             self.backend.synchronize_stream()
             if monitor is not None:
                 monitor.compute(start, time.perf_counter())
@@ -656,29 +656,8 @@ class ModelRunner:
         if self.comm is not None:
             raise RuntimeError("all_logits needs a single-process engine (tensor 1, pipeline 1)")
         prep = self._prepare([_chunk(seq, seq.num_tokens)])
-        hidden = self._forward(prep.input_ids, prep.positions, prep.meta)
-        if in_float32:
-            return self.model.compute_logits(hidden, in_float32)
-        return self._logits(hidden)
-
-    def _forward(
-        self, inputs: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """This stage's layers over one micro-batch. With FP16 copies for one-row products
-        (``shapes.oneRowWeights``), a one-row output that is not finite is recomputed with
-        the model's own weights (an FP16 product overflowed; the KV it wrote is rewritten)."""
-        hidden: torch.Tensor = self.model(inputs, positions, self.rotary, self.caches, meta)
-        if self.one_row_copies and inputs.shape[0] == 1 and not bool(hidden.isfinite().all()):
-            with model_dtype_products():
-                hidden = self.model(inputs, positions, self.rotary, self.caches, meta)
-        return hidden
-
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.model.compute_logits(hidden)
-        if self.one_row_copies and hidden.shape[0] == 1 and not bool(logits.isfinite().all()):
-            with model_dtype_products():
-                logits = self.model.compute_logits(hidden)
-        return logits
+        hidden = self.model(prep.input_ids, prep.positions, self.rotary, self.caches, prep.meta)
+        return self.model.compute_logits(hidden, in_float32)
 
     def _generator(self, chunk: SeqChunk) -> torch.Generator | None:
         params = chunk.params

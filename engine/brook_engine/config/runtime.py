@@ -45,10 +45,11 @@ class ShapesConfig(Section):
     """Add buckets for shapes seen in traffic that no registered pattern covers."""
 
     one_row_weights: Literal["model", "fp16"] = "model"
-    """Weights a one-row product (a step decoding a single sequence) reads. fp16: on CPU,
-    with a bfloat16 model, keep an FP16 copy of every linear layer and the LM head for it:
-    CPU kernels read FP16 weights 2-2.5x faster than BF16 ones for one row (single-stream
-    decode 1.6x faster on SmolLM2), for the weights' memory once more. Ignored elsewhere."""
+    """Weights a product with one row reads (every layer of a step decoding one sequence;
+    the LM head over one sampled row). fp16: on CPU, with a bfloat16 model, keep an FP16 copy
+    of every linear layer and the LM head for them: CPU kernels read FP16 weights 2-2.5x
+    faster than BF16 ones for one row, for the weights' memory once more. Ignored
+    elsewhere."""
 
 
 class MoEConfig(Section):

@@ -7,34 +7,23 @@ decoding — is such a product in every layer, so with ``shapes.oneRowWeights: f
 runner keeps an FP16 copy of each BF16 weight for it; larger products (prefill, batched
 decode), where BF16 runs at 10× the FP16 rate, keep the model's weights. BF16 values convert
 to FP16 exactly (FP16 has 10 mantissa bits to BF16's 7) from 6.1e-5 up to 65,504; smaller
-weights lose bits, and a product beyond FP16's range turns into inf: the runner checks a
-one-row step's output (and logits) and recomputes the step with the model's weights then.
+weights and activations lose bits, and a product whose input or output leaves FP16's range
+is recomputed with the model's weights.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+import logging
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-class _Products:
-    fp16_copies = True  # off inside ``model_dtype_products``
+log = logging.getLogger(__name__)
 
 
-@contextmanager
-def model_dtype_products() -> Iterator[None]:
-    """Within: every product uses the model's own weights (the runner recomputes a step
-    this way when an FP16 product overflowed: a one-row step's output is checked once, not
-    every product)."""
-    _Products.fp16_copies = False
-    try:
-        yield
-    finally:
-        _Products.fp16_copies = True
+_overflow_logged = False
 
 
 def one_row_linear(
@@ -44,10 +33,21 @@ def one_row_linear(
     one_row: torch.Tensor | None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through ``one_row`` (the weight in FP16) when ``x``
-    is a single row."""
-    if one_row is None or x.shape[0] != 1 or not _Products.fp16_copies:
+    is a single row; a product that overflows FP16 is recomputed with ``weight`` (the check
+    sums one output row, a few microseconds next to reading the matrix)."""
+    if one_row is None or x.shape[0] != 1:
         return F.linear(x, weight, bias)
-    y = F.linear(x.to(one_row.dtype), one_row).to(x.dtype)
+    y = F.linear(x.to(one_row.dtype), one_row)
+    if not math.isfinite(float(y.sum(dtype=torch.float32))):
+        global _overflow_logged
+        if not _overflow_logged:
+            _overflow_logged = True
+            log.warning(
+                "a one-row product overflowed FP16 (shapes.oneRowWeights); recomputed with "
+                "the model's weights (not logged again)"
+            )
+        return F.linear(x, weight, bias)
+    y = y.to(x.dtype)
     return y if bias is None else y + bias
 
 

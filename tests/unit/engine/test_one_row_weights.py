@@ -1,6 +1,6 @@
-"""FP16 copies for one-row products (``shapes.oneRowWeights``): the copy is used only for a
-single row, it is at least as exact as the BF16 product, an overflow in FP16 is recomputed
-with the model's weights, and the option is ignored where it does not apply."""
+"""FP16 copies for one-row products (``shapes.oneRowWeights``): the copy is used for a single
+row and only then, it is at least as exact as the BF16 product, a product that overflows FP16
+is recomputed with the model's weights, and the option is ignored where it does not apply."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from brook_engine import LLM
-from brook_engine.layers.linear import keep_one_row_copies, model_dtype_products, one_row_linear
+from brook_engine.layers.linear import keep_one_row_copies, one_row_linear
 
 EXACT_KV = {
     "num_blocks": 32,
@@ -32,15 +32,17 @@ def test_one_row_products_use_the_copy_and_lose_nothing_against_bf16() -> None:
     exact = F.linear(row.double(), weight.double(), bias.double())
     through_copy = one_row_linear(row, weight, bias, copy)
     plain = F.linear(row, weight, bias)
-    assert through_copy.dtype == torch.bfloat16
+    assert torch.equal(through_copy, F.linear(row.half(), copy).to(torch.bfloat16) + bias)
     error_copy = float((through_copy.double() - exact).norm())
     error_plain = float((plain.double() - exact).norm())
     assert error_copy <= error_plain * 1.5 + 1e-3
-    # More than one row, or inside model_dtype_products: the model's weights, bit for bit.
+    # More than one row: the model's weights, bit for bit.
     rows = torch.randn(3, 128, generator=gen).to(torch.bfloat16)
     assert torch.equal(one_row_linear(rows, weight, bias, copy), F.linear(rows, weight, bias))
-    with model_dtype_products():
-        assert torch.equal(one_row_linear(row, weight, bias, copy), plain)
+    # A product beyond FP16's range: recomputed in BF16 (finite there).
+    huge = row * 4e5
+    assert not F.linear(huge.half(), copy).isfinite().all()
+    assert torch.equal(one_row_linear(huge, weight, bias, copy), F.linear(huge, weight, bias))
 
 
 def _llm(folder: Path, one_row: str) -> LLM:
@@ -54,10 +56,11 @@ def _llm(folder: Path, one_row: str) -> LLM:
     )
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: tied head, qkv bias
 def test_the_engine_keeps_copies_counts_them_and_decodes_alike(
-    make_tiny_model: Callable[..., Path],
+    make_tiny_model: Callable[..., Path], arch: str
 ) -> None:
-    folder = make_tiny_model("llama")
+    folder = make_tiny_model(arch)
     plain, copies = _llm(folder, "model"), _llm(folder, "fp16")
     assert not plain.engine.runner.one_row_copies and copies.engine.runner.one_row_copies
     model = copies.engine.runner.model
@@ -79,13 +82,19 @@ def test_the_engine_keeps_copies_counts_them_and_decodes_alike(
         for name, llm in (("plain", plain), ("copies", copies))
     }
     assert error["copies"] <= 1.5 * error["plain"] + 1e-2, error
+    assert not torch.equal(copies.engine.prompt_logits([11]), plain.engine.prompt_logits([11]))
     longer = list(range(5, 25))  # more than one row: the model's weights, bit for bit
     assert torch.equal(copies.engine.prompt_logits(longer), plain.engine.prompt_logits(longer))
 
 
 def test_an_fp16_overflow_is_recomputed_with_the_model_weights(
     make_tiny_model: Callable[..., Path],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from brook_engine.layers import linear
+
+    monkeypatch.setattr(linear, "_overflow_logged", False)
     folder = make_tiny_model("llama")
     plain, copies = _llm(folder, "model"), _llm(folder, "fp16")
     for llm in (plain, copies):  # products far beyond FP16's 65,504, fine in BF16
@@ -95,10 +104,14 @@ def test_an_fp16_overflow_is_recomputed_with_the_model_weights(
     down = copies.engine.runner.model.model.layers[0].mlp.down_proj
     row = torch.ones(1, down.in_features, dtype=torch.bfloat16)
     assert not F.linear(row.half(), down.one_row).isfinite().all()  # the copy overflows
-    # The layers overflowed and were recomputed with BF16 weights; the head's copy (finite)
-    # is left out here so that the whole step is the plain engine's, bit for bit.
-    copies.engine.runner.model.lm_head.one_row = None
-    got = copies.engine.prompt_logits([11])
+    # The overflowing products were recomputed with BF16 weights; the other copies are left
+    # out here so that the whole step is the plain engine's, bit for bit.
+    for module in copies.engine.runner.model.modules():
+        if module is not down and hasattr(module, "one_row"):
+            module.one_row = None
+    with caplog.at_level(logging.WARNING, logger="brook_engine.layers.linear"):
+        got = copies.engine.prompt_logits([11])
+    assert "a one-row product overflowed FP16" in caplog.text  # the engine's step did
     assert got.isfinite().all()
     assert torch.equal(got, plain.engine.prompt_logits([11]))
 
