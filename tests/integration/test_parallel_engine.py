@@ -264,3 +264,25 @@ def test_an_idle_offline_engine_outlives_the_collective_timeout(
     first = [o.token_ids for o in _run(llm, prompts)]
     time.sleep(3.5)
     assert [o.token_ids for o in _run(llm, prompts)] == first
+
+
+def test_int8_kv_is_fitted_per_rank_and_matches_one_process(
+    make_tiny_model: Callable[..., Path], engines: list[LLM]
+) -> None:
+    """INT8 KV under TP=2 × PP=2: each rank calibrates its own layers and KV heads (means,
+    weights, scales per head, so they are the ones a single process fits for those heads),
+    and the replica decodes as one process with the same policy does."""
+    folder = make_tiny_model("llama", num_hidden_layers=4)
+    int8 = {
+        "layer_policies": [{"start": 0.0, "end": 1.0, "dtype": "int8"}],
+        "dynamic_precision": {"enabled": False},
+    }
+    prompts = _prompts(320, [9, 23, 14], seed=3)
+    single = LLM(str(folder), dtype="float32", device="cpu", kv_cache=int8, progress=False)
+    assert single.engine.runner.layer_kinds == ["int8"] * 4
+    expected = [o.token_ids for o in _run(single, prompts)]
+    parallel = _engine(folder, 2, 2, kv_cache=int8)
+    engines.append(parallel)
+    assert parallel.engine.runner.replica_layer_kinds == ["int8"] * 4
+    assert [o.token_ids for o in _run(parallel, prompts)] == expected
+    assert parallel.engine.runner.kv_bytes_per_token == single.engine.runner.kv_bytes_per_token
