@@ -70,8 +70,8 @@ class Int8Params:
     k_balance: torch.Tensor
 
     @classmethod
-    def fit(cls, q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor) -> Int8Params:
-        """From calibration queries [tokens, heads, head_dim] (if known), keys and values
+    def fit(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Int8Params:
+        """From calibration queries [tokens, heads, head_dim], keys and values
         [tokens, kv_heads, head_dim]: each channel's scale maps the largest value seen to 127
         (larger ones later saturate). A score's rounding error is q·Δk; with key channels
         weighed by (E[q_c²] / E[k_c²])^¼ it is smallest for a given number of levels (the two
@@ -79,16 +79,14 @@ class Int8Params:
         rot = rotation(k.shape[-1]).to(k.device)
         k32, v32 = k.float(), v.float()
         k_mean, v_mean = k32.mean(dim=0), v32.mean(dim=0)
-        balance = torch.ones_like(k_mean)
-        if q is not None:
-            kv_heads, dim = k.shape[1], k.shape[2]
-            q_energy = q.float().view(q.shape[0], kv_heads, -1, dim).pow(2).mean(dim=(0, 2))
-            k_energy = (k32 - k_mean).pow(2).mean(dim=0)
-            # In logs, bounded before centring so one dead channel cannot skew the others.
-            log_ratio = (q_energy.clamp_min(1e-12) / k_energy.clamp_min(1e-12)).log() / 4
-            log_balance = log_ratio.clamp(-_LOG_BALANCE, _LOG_BALANCE)
-            log_balance = log_balance - log_balance.mean(dim=-1, keepdim=True)
-            balance = log_balance.clamp(-_LOG_BALANCE, _LOG_BALANCE).exp()
+        kv_heads, dim = k.shape[1], k.shape[2]
+        q_energy = q.float().view(q.shape[0], kv_heads, -1, dim).pow(2).mean(dim=(0, 2))
+        k_energy = (k32 - k_mean).pow(2).mean(dim=0)
+        # In logs, bounded before centring so one dead channel cannot skew the others.
+        log_ratio = (q_energy.clamp_min(1e-12) / k_energy.clamp_min(1e-12)).log() / 4
+        log_balance = log_ratio.clamp(-_LOG_BALANCE, _LOG_BALANCE)
+        log_balance = log_balance - log_balance.mean(dim=-1, keepdim=True)
+        balance = log_balance.clamp(-_LOG_BALANCE, _LOG_BALANCE).exp()
 
         def scale(x: torch.Tensor, mean: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             amax = (((x - mean) * weight) @ rot).abs().amax(dim=0)

@@ -25,7 +25,9 @@ still runs where a policy names INT8 (its scales come from it), with no fallback
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -116,32 +118,44 @@ class StoredAs:
 Projected = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-@dataclass
 class LayerSample:
     """One layer's calibration queries, keys and values [tokens, heads, head_dim], computed
     as if the text sat at several positions (rotary turns keys with their position, so a
     mean or a range taken at positions 0 to 1,023 alone would not hold at 30,000): ``fit`` to
     fit shifts and INT8 parameters on, ``measure`` to measure errors on (see
-    ``calibration_positions``)."""
+    ``calibration_positions``). ``project(positions)`` gives the layer's q, k, v with the
+    text at ``positions``; nothing is projected until a measurement needs it, so layers that
+    are not measured cost nothing."""
 
-    fit: list[Projected]
-    measure: list[Projected]
-    scale: float
+    def __init__(
+        self,
+        project: Callable[[torch.Tensor], Projected],
+        fit_at: list[torch.Tensor],
+        measure_at: list[torch.Tensor],
+        scale: float,
+    ) -> None:
+        self._project = project
+        self._fit_at, self._measure_at = fit_at, measure_at
+        self.scale = scale
 
-    def __post_init__(self) -> None:
-        self._exact: list[torch.Tensor] = []
+    @cached_property
+    def measure(self) -> list[Projected]:
+        return [self._project(at) for at in self._measure_at]
 
-    def fit_tensors(self) -> Projected:
-        q, k, v = (torch.cat(parts) for parts in zip(*self.fit, strict=True))
+    @cached_property
+    def fit(self) -> Projected:
+        """The fit views' q, k, v, concatenated over the views."""
+        views = [self._project(at) for at in self._fit_at]
+        q, k, v = (torch.cat(parts) for parts in zip(*views, strict=True))
         return q, k, v
 
-    def exact(self, view: int) -> torch.Tensor:
-        if not self._exact:
-            self._exact = [
-                _attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), self.scale)
-                for q, k, v in self.measure
-            ]
-        return self._exact[view]
+    @cached_property
+    def exact(self) -> list[torch.Tensor]:
+        """Attention with exact keys and values, per measured view."""
+        return [
+            _attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), self.scale)
+            for q, k, v in self.measure
+        ]
 
 
 def _measure(sample: LayerSample, kind: KVDType, compute_dtype: torch.dtype) -> StoredAs:
@@ -151,28 +165,29 @@ def _measure(sample: LayerSample, kind: KVDType, compute_dtype: torch.dtype) -> 
     if kind not in ONE_BYTE and not (kind in ("fp16", "bf16") and compute_dtype == torch.float32):
         return StoredAs(kind, None)
 
+    fit_k = sample.fit[1]
+    probe = LayerKVCache.allocate(
+        1, 1, fit_k.shape[1], fit_k.shape[2], kind, compute_dtype, fit_k.device
+    )
+
     def error(shift: torch.Tensor | None, int8: Int8Params | None) -> float:
+        probe.k_shift, probe.int8 = shift, int8
         worst = 0.0
-        for view, (q, k, v) in enumerate(sample.measure):
-            probe = LayerKVCache.allocate(
-                1, 1, k.shape[1], k.shape[2], kind, compute_dtype, k.device
-            )
-            probe.k_shift, probe.int8 = shift, int8
+        for (q, k, v), exact in zip(sample.measure, sample.exact, strict=True):
             k_stored, v_stored = probe.as_stored(k, v)
             lossy = _attention(probe.query(q).transpose(0, 1), k_stored, v_stored, sample.scale)
             if int8 is not None:
                 lossy = int8.output(lossy.transpose(0, 1), q.dtype).float().transpose(0, 1)
-            exact = sample.exact(view)
             worst = max(worst, float((lossy - exact).norm() / exact.norm().clamp_min(1e-12)))
         return worst
 
     if kind == "int8":
-        params = Int8Params.fit(*sample.fit_tensors())
+        params = Int8Params.fit(*sample.fit)
         return StoredAs(kind, error(None, params), int8=params)
     plain = StoredAs(kind, error(None, None))
     if kind not in ONE_BYTE:
         return plain
-    k = sample.fit_tensors()[1]
+    k = fit_k
     shift = k.float().mean(dim=0).to(k.dtype)
     shifted = StoredAs(kind, error(shift, None), shift=shift)
     return shifted if shifted.error < plain.error else plain  # type: ignore[operator]

@@ -14,6 +14,7 @@ import functools
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -332,11 +333,11 @@ class ModelRunner:
         self._finish_step()
         fit_at, measure_at = calibration_positions(len(ids), self.max_model_len)
 
-        def views(layer: Any, x: torch.Tensor, placements: list[torch.Tensor]) -> list[Any]:
-            return [layer.project(x, self.rotary.lookup(p.to(self.device))) for p in placements]
+        def placed(layer: Any, x: torch.Tensor) -> Callable[[torch.Tensor], Any]:
+            return lambda at: layer.project(x, self.rotary.lookup(at.to(self.device)))
 
         samples = [
-            LayerSample(views(layer, x, fit_at), views(layer, x, measure_at), layer.scale)
+            LayerSample(placed(layer, x), fit_at, measure_at, layer.scale)
             for layer, (x, _) in zip(layers, captured, strict=True)
         ]
         # Dynamic precision off: the pass only fits INT8 layers; nothing moves.

@@ -189,16 +189,24 @@ def long_context(
     text_ids = policy.tokenizer.encode(_held_out_text(), add_special_tokens=False)
     chunk_len, num_chunks = 512, 8
     chunks = [text_ids[i * chunk_len : (i + 1) * chunk_len] for i in range(num_chunks)]
+
     # Logits come from a float32 LM head here: a 16-bit head rounds logits so coarsely that
     # the reference's top two tie exactly at some positions (a few % on SmolLM2 in bf16),
     # where any change flips an arbitrary tie-break. The agreement with the model-dtype head
     # and the number of such ties are reported beside it.
+    def float32_logits(chunk: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        reference, lossy = (e.prompt_logits(chunk, in_float32=True)[:-1] for e in (fp16, policy))
+        return reference, lossy
+
+    def top1_agreeing(reference: torch.Tensor, lossy: torch.Tensor) -> int:
+        return int((reference.argmax(-1) == lossy.argmax(-1)).sum())
+
     agree = agree_model_dtype = agree_untied = ties = total = 0
     nll: dict[str, float] = {"fp16": 0.0, "policy": 0.0}
     for chunk in chunks:
         target = torch.tensor(chunk[1:])
-        reference, lossy = (e.prompt_logits(chunk, in_float32=True)[:-1] for e in (fp16, policy))
-        agree += int((reference.argmax(-1) == lossy.argmax(-1)).sum())
+        reference, lossy = float32_logits(chunk)
+        agree += top1_agreeing(reference, lossy)
         total += len(chunk) - 1
         nll["fp16"] += float(F.cross_entropy(reference, target, reduction="sum"))
         nll["policy"] += float(F.cross_entropy(lossy, target, reduction="sum"))
@@ -214,8 +222,7 @@ def long_context(
     agree_long = total_long = 0
     for i in range(2):
         chunk = text_ids[i * seq_len : (i + 1) * seq_len]
-        reference, lossy = (e.prompt_logits(chunk, in_float32=True)[:-1] for e in (fp16, policy))
-        agree_long += int((reference.argmax(-1) == lossy.argmax(-1)).sum())
+        agree_long += top1_agreeing(*float32_logits(chunk))
         total_long += len(chunk) - 1
     # Free-running greedy: where does the policy's output first differ from FP16's?
     rng = random.Random(seed)

@@ -250,11 +250,11 @@ def test_int8_ranges_hold_at_positions_far_past_the_calibration_text() -> None:
     assert all(int(p.max()) < max_positions for p in fit_at)
     assert int(measure_at[1][0]) == round((max_positions - tokens) * 5 / 6)
 
-    def views(placements: list[torch.Tensor]) -> list[Any]:
-        return [layer.project(x, rotary.lookup(p)) for p in placements]
+    def placed(at: torch.Tensor) -> Any:
+        return layer.project(x, rotary.lookup(at))
 
-    spread = LayerSample(views(fit_at), views(measure_at), layer.scale)
-    near = LayerSample(views(fit_at[:1]), views(measure_at), layer.scale)
+    spread = LayerSample(placed, fit_at, measure_at, layer.scale)
+    near = LayerSample(placed, fit_at[:1], measure_at, layer.scale)
     [fitted] = decide([spread], ["int8"], torch.float32, 1.0, "fp16")
     [naive] = decide([near], ["int8"], torch.float32, 1.0, "fp16")
     assert fitted.kind == naive.kind == "int8"
