@@ -32,7 +32,7 @@ from brook_engine.kv_calibration import (
     summarize,
 )
 from brook_engine.layers.attention import AttentionMetadata, PrefillSpan
-from brook_engine.layers.linear import keep_one_row_copies
+from brook_engine.layers.linear import keep_one_row_copies, pack_cpu_weights
 from brook_engine.layers.parallel import Shard
 from brook_engine.layers.rotary import RotaryEmbedding
 from brook_engine.layers.sampler import SampleResult
@@ -163,6 +163,8 @@ class ModelRunner:
                     self.device.type,
                     str(self.dtype).removeprefix("torch."),
                 )
+        if self.device.type == "cpu":
+            self.weight_bytes += pack_cpu_weights(model)
         self.load_seconds = time.perf_counter() - started
         kv_start, kv_end = self.shard.kv_heads(arch.num_heads, arch.num_kv_heads)
         self.num_kv_heads = kv_end - kv_start  # this rank's
@@ -746,6 +748,8 @@ class ModelRunner:
             mask &= keys >= lengths - window
         meta.num_decodes = len(tables)
         meta.decode_blocks = padded
+        meta.decode_lens = lengths[:, 0]
+        meta.sliding_window = window
         bias = torch.zeros(mask.shape, dtype=torch.float32, device=self.device)
         meta.decode_bias = bias.masked_fill_(~mask, float("-inf"))[:, None, None, :]
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from brook_engine.kv_cache import LayerKVCache
+from brook_engine.layers import cpu_decode
 
 
 @dataclass
@@ -32,6 +33,8 @@ class AttentionMetadata:
     num_decodes: int = 0
     decode_blocks: torch.Tensor | None = None  # [decodes, max_blocks] (padded with block 0)
     decode_bias: torch.Tensor | None = None  # [decodes, 1, 1, max_context]: 0 or -inf
+    decode_lens: torch.Tensor | None = None  # [decodes] context lengths, the new token included
+    sliding_window: int | None = None  # keys a query sees, counting itself (None: all)
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -50,8 +53,18 @@ def paged_attention(
     if meta.num_decodes:
         assert meta.decode_blocks is not None and meta.decode_bias is not None
         n = meta.num_decodes
-        ck, cv = cache.read_blocks(meta.decode_blocks)  # [kv_heads, decodes, ctx, head_dim]
-        out[:n] = _decode_attention(q[:n], ck, cv, meta.decode_bias, scale)
+        fused = (
+            None
+            if meta.decode_lens is None
+            else cpu_decode.decode_attention(
+                q[:n], cache, meta.decode_blocks, meta.decode_lens, scale, meta.sliding_window
+            )
+        )
+        if fused is not None:
+            out[:n] = fused
+        else:
+            ck, cv = cache.read_blocks(meta.decode_blocks)  # [kv_heads, decodes, ctx, dim]
+            out[:n] = _decode_attention(q[:n], ck, cv, meta.decode_bias, scale)
     for span in meta.prefills:
         rows = slice(span.start, span.start + span.num_tokens)
         if span.slots is None and cache.int8 is not None:

@@ -91,9 +91,11 @@ class VocabParallelHead(_VocabSlice):
     """The LM head over this rank's vocabulary slice; ``logits`` gathers the full row."""
 
     one_row: torch.Tensor | None = None  # FP16 copy for one-row products (layers.linear)
+    packed: torch.Tensor | None = None  # packed copy of a tied table (layers.linear)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = one_row_linear(hidden, self.weight, None, self.one_row)
+        weight = self.weight if self.packed is None else self.packed
+        logits = one_row_linear(hidden, weight, None, self.one_row)
         if self.comm is None:
             return logits
         return self.comm.all_gather_last_dim(logits)[:, : self.vocab_size]

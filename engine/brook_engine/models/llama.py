@@ -18,7 +18,7 @@ from torch import nn
 
 from brook_engine.kv_cache import LayerKVCache
 from brook_engine.layers.attention import AttentionMetadata, paged_attention
-from brook_engine.layers.linear import Linear
+from brook_engine.layers.linear import Linear, dense
 from brook_engine.layers.norm import RMSNorm
 from brook_engine.layers.parallel import (
     Shard,
@@ -239,5 +239,5 @@ class CausalLM(nn.Module):
         assert self.lm_head is not None, "only the last pipeline stage has the LM head"
         if in_float32:
             assert self.lm_head.comm is None, "a float32 head needs the whole vocabulary here"
-            return F.linear(hidden.float(), self.lm_head.weight.float())
+            return F.linear(hidden.float(), dense(self.lm_head.weight).float())
         return self.lm_head(hidden).float()  # type: ignore[no-any-return]

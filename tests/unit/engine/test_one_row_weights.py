@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from brook_engine import LLM
-from brook_engine.layers.linear import keep_one_row_copies, one_row_linear
+from brook_engine.layers.linear import dense, keep_one_row_copies, one_row_linear
 
 EXACT_KV = {
     "num_blocks": 32,
@@ -99,7 +100,7 @@ def test_an_fp16_overflow_is_recomputed_with_the_model_weights(
     plain, copies = _llm(folder, "model"), _llm(folder, "fp16")
     for llm in (plain, copies):  # products far beyond FP16's 65,504, fine in BF16
         down = llm.engine.runner.model.model.layers[0].mlp.down_proj
-        down.weight.data *= 1e6
+        down.weight = nn.Parameter(dense(down.weight) * 1e6, requires_grad=False)
     keep_one_row_copies(copies.engine.runner.model)
     down = copies.engine.runner.model.model.layers[0].mlp.down_proj
     row = torch.ones(1, down.in_features, dtype=torch.bfloat16)

@@ -1,0 +1,236 @@
+/* Decode attention over the paged KV cache on CPU: one query token per sequence, keys and
+ * values read where they lie (no gather into a padded copy) and turned into float32 a
+ * block at a time, whatever their storage type. Built at first use by
+ * brook_engine/layers/cpu_decode.py and called through ctypes.
+ *
+ * Layouts (all contiguous):
+ *   q       [decodes, heads, dim] float32 (heads = kv_heads * group; a group's query heads
+ *           are adjacent, as in the model's projection)
+ *   k, v    [kv_heads, slots, dim] in the storage type `kind`
+ *   k_scale [kv_heads, slots] float32 or NULL (FP8 E4M3: one scale per token and head)
+ *   tables  [decodes, width] int64 block ids; lens [decodes] int64 context lengths
+ *   lut     256 floats: an 8-bit storage type's values (KIND_LUT8)
+ *   out     [decodes, heads, dim] float32
+ * Work is split over (sequence, KV head) pairs with OpenMP; it runs on the OpenMP runtime
+ * torch itself loaded, so the two never keep rival thread pools.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_F16 = 2, KIND_I8 = 3, KIND_LUT8 = 4 };
+
+/* exp(x) for x <= 0 (a score minus the largest): x = k ln2 + r with |r| <= ln2/2, exp(r) by
+ * its Taylor polynomial to degree 7 (relative error below 1e-7), 2^k built in the exponent
+ * bits. Written out so that the loop vectorizes, which a libm call does not. */
+static inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x; /* below, exp underflows float32 anyway */
+  const float k = floorf(x * 1.44269504f + 0.5f);
+  const float r = (x - k * 0.693145752f) - k * 1.42860677e-6f;
+  float p = 1.98412698e-4f;
+  p = p * r + 1.38888889e-3f;
+  p = p * r + 8.33333333e-3f;
+  p = p * r + 4.16666667e-2f;
+  p = p * r + 1.66666667e-1f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = ((int32_t)k + 127) << 23;
+  float two_k;
+  memcpy(&two_k, &bits, sizeof two_k);
+  return p * two_k;
+}
+
+/* n consecutive stored values starting at element `at` of `base`, as float32. */
+static void to_float(const void *base, int64_t at, int64_t n, int kind, const float *lut,
+                     float *restrict dst) {
+  switch (kind) {
+  case KIND_F32:
+    memcpy(dst, (const float *)base + at, (size_t)n * sizeof(float));
+    break;
+  case KIND_BF16: {
+    const uint16_t *src = (const uint16_t *)base + at;
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+      uint32_t bits = (uint32_t)src[i] << 16;
+      float f;
+      memcpy(&f, &bits, sizeof f);
+      dst[i] = f;
+    }
+    break;
+  }
+  case KIND_F16: {
+    const _Float16 *src = (const _Float16 *)base + at;
+    int64_t i = 0;
+#if defined(__F16C__) /* gcc does not vectorize the conversion by itself */
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+#endif
+    for (; i < n; i++) dst[i] = (float)src[i];
+    break;
+  }
+  case KIND_I8: {
+    const int8_t *src = (const int8_t *)base + at;
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) dst[i] = (float)src[i];
+    break;
+  }
+  default: {
+    const uint8_t *src = (const uint8_t *)base + at;
+    for (int64_t i = 0; i < n; i++) dst[i] = lut[src[i]];
+  }
+  }
+}
+
+static const int64_t ITEM_BYTES[] = {4, 2, 2, 1, 1};
+
+/* Ask for the rows of the sequence's next block while this one is computed: blocks lie
+ * anywhere in the cache, so the hardware prefetcher cannot guess the next one. */
+static inline void prefetch_rows(const void *base, int64_t at, int64_t bytes, int kind) {
+  const char *p = (const char *)base + at * ITEM_BYTES[kind];
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 1);
+}
+
+/* One sequence against one KV head: its `group` query heads' outputs. `dim` is a constant
+ * where the caller passes one (64, 128), so the loops over it unroll and vectorize fully. */
+static inline __attribute__((always_inline)) int attend(
+    const float *qs, const void *k, const void *v, const float *k_scale, const float *v_scale,
+    const int64_t *table, int64_t len, float *out, int64_t group, const int64_t dim,
+    int64_t head_base, int64_t block_size, int64_t window, int kind, const float *lut,
+    float scale) {
+  const int64_t first = (window > 0 && len > window) ? len - window : 0;
+  const int64_t ctx = len - first;
+  /* scores [group, ctx], one block of rows as float32, the output accumulators */
+  float *scores = malloc(sizeof(float) * (size_t)(group * ctx + block_size * dim + group * dim));
+  if (scores == NULL) return -1;
+  float *rows = scores + group * ctx;
+  float *acc = rows + block_size * dim;
+
+  for (int64_t t = first; t < len;) {
+    const int64_t block = t / block_size, offset = t % block_size;
+    const int64_t n = (block + 1) * block_size < len ? block_size - offset : len - t;
+    const int64_t slot = table[block] * block_size + offset;
+    if (t + n < len)
+      prefetch_rows(k, (head_base + table[block + 1] * block_size) * dim,
+                    block_size * dim * ITEM_BYTES[kind], kind);
+    const float *keys = kind == KIND_F32 ? (const float *)k + (head_base + slot) * dim : rows;
+    if (kind != KIND_F32) to_float(k, (head_base + slot) * dim, n * dim, kind, lut, rows);
+    const float *kscale = k_scale ? k_scale + head_base + slot : NULL;
+    float *col = scores + (t - first);
+    int64_t i = 0;
+    /* Four keys at a time: four independent sums per query head keep the FMA units busy
+     * (one sum is a chain of dependent adds). */
+    for (; i + 4 <= n; i += 4) {
+      const float *r0 = keys + i * dim, *r1 = r0 + dim, *r2 = r1 + dim, *r3 = r2 + dim;
+      for (int64_t g = 0; g < group; g++) {
+        const float *qg = qs + g * dim;
+        float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
+#pragma omp simd reduction(+ : d0, d1, d2, d3)
+        for (int64_t d = 0; d < dim; d++) {
+          const float x = qg[d];
+          d0 += x * r0[d];
+          d1 += x * r1[d];
+          d2 += x * r2[d];
+          d3 += x * r3[d];
+        }
+        float *sg = col + g * ctx + i;
+        sg[0] = d0;
+        sg[1] = d1;
+        sg[2] = d2;
+        sg[3] = d3;
+      }
+    }
+    for (; i < n; i++) {
+      const float *row = keys + i * dim;
+      for (int64_t g = 0; g < group; g++) {
+        const float *qg = qs + g * dim;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < dim; d++) dot += qg[d] * row[d];
+        col[g * ctx + i] = dot;
+      }
+    }
+    for (int64_t g = 0; g < group; g++) {
+      float *sg = col + g * ctx;
+      for (int64_t j = 0; j < n; j++) sg[j] *= kscale ? kscale[j] * scale : scale;
+    }
+    t += n;
+  }
+
+  for (int64_t g = 0; g < group; g++) {
+    float *sg = scores + g * ctx;
+    float peak = sg[0];
+#pragma omp simd reduction(max : peak)
+    for (int64_t i = 1; i < ctx; i++) peak = sg[i] > peak ? sg[i] : peak;
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t i = 0; i < ctx; i++) {
+      sg[i] = exp_nonpositive(sg[i] - peak);
+      total += sg[i];
+    }
+    const float inv = 1.0f / total;
+#pragma omp simd
+    for (int64_t i = 0; i < ctx; i++) sg[i] *= inv;
+  }
+
+  memset(acc, 0, sizeof(float) * (size_t)(group * dim));
+  for (int64_t t = first; t < len;) {
+    const int64_t block = t / block_size, offset = t % block_size;
+    const int64_t n = (block + 1) * block_size < len ? block_size - offset : len - t;
+    const int64_t slot = table[block] * block_size + offset;
+    if (t + n < len)
+      prefetch_rows(v, (head_base + table[block + 1] * block_size) * dim,
+                    block_size * dim * ITEM_BYTES[kind], kind);
+    const float *values = kind == KIND_F32 ? (const float *)v + (head_base + slot) * dim : rows;
+    if (kind != KIND_F32) to_float(v, (head_base + slot) * dim, n * dim, kind, lut, rows);
+    for (int64_t i = 0; i < n; i++) {
+      const float *row = values + i * dim;
+      const float token_scale = v_scale ? v_scale[head_base + slot + i] : 1.0f;
+      for (int64_t g = 0; g < group; g++) {
+        const float p = scores[g * ctx + (t - first) + i] * token_scale;
+        float *ag = acc + g * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; d++) ag[d] += p * row[d];
+      }
+    }
+    t += n;
+  }
+  memcpy(out, acc, sizeof(float) * (size_t)(group * dim));
+  free(scores);
+  return 0;
+}
+
+int brook_paged_decode(const float *q, const void *k, const void *v, const float *k_scale,
+                       const float *v_scale, const int64_t *tables, const int64_t *lens,
+                       float *out, int64_t decodes, int64_t heads, int64_t kv_heads,
+                       int64_t dim, int64_t slots, int64_t block_size, int64_t width,
+                       int64_t window, int kind, const float *lut, float scale, int threads) {
+  const int64_t group = heads / kv_heads;
+  int failed = 0;
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(threads)
+  for (int64_t s = 0; s < decodes; s++) {
+    for (int64_t h = 0; h < kv_heads; h++) {
+      const int64_t at = (s * heads + h * group) * dim;
+      const int64_t *table = tables + s * width;
+      int status;
+      if (dim == 64)
+        status = attend(q + at, k, v, k_scale, v_scale, table, lens[s], out + at, group, 64,
+                        h * slots, block_size, window, kind, lut, scale);
+      else if (dim == 128)
+        status = attend(q + at, k, v, k_scale, v_scale, table, lens[s], out + at, group, 128,
+                        h * slots, block_size, window, kind, lut, scale);
+      else
+        status = attend(q + at, k, v, k_scale, v_scale, table, lens[s], out + at, group, dim,
+                        h * slots, block_size, window, kind, lut, scale);
+      if (status != 0) {
+#pragma omp atomic write
+        failed = 1;
+      }
+    }
+  }
+  return failed ? -1 : 0;
+}

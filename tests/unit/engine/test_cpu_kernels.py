@@ -1,0 +1,201 @@
+"""The CPU fast paths against the portable ones they replace: the C decode-attention kernel
+against the batched-matmul path over the same paged cache (every storage type, GQA groups,
+head sizes the kernel specializes and one it does not, sliding windows, contexts that end
+inside a block), and oneDNN-packed linear weights against ``F.linear``. The whole engine with
+both on is held to transformers in ``test_engine_vs_transformers.py``; here, also with both
+off (``BROOK_CPU_KERNELS=off``), the path accelerators take."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from brook_engine import LLM, SamplingParams
+from brook_engine.config import KVDType
+from brook_engine.kv_cache import Int8Params, LayerKVCache
+from brook_engine.layers import cpu_decode, linear
+from brook_engine.layers.attention import _decode_attention
+
+KINDS: list[KVDType] = ["auto", "fp16", "bf16", "fp8_e5m2", "fp8_e4m3", "int8"]
+
+
+@pytest.fixture
+def fresh_kernel(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    """The kernel loader as if this process had not loaded it yet, building into tmp_path."""
+    monkeypatch.setenv("BROOK_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_decode, "_tried", False)
+    monkeypatch.setattr(cpu_decode, "_library", None)
+    yield
+
+
+def _cache(
+    kind: KVDType, dtype: torch.dtype, kv_heads: int, heads: int, dim: int, block_size: int
+) -> LayerKVCache:
+    gen = torch.Generator().manual_seed(1)
+    num_blocks = 64
+    cache = LayerKVCache.allocate(
+        num_blocks, block_size, kv_heads, dim, kind, dtype, torch.device("cpu")
+    )
+    slots = num_blocks * block_size
+    k = torch.randn(slots, kv_heads, dim, generator=gen) + 0.5  # a mean, as real keys have
+    v = torch.randn(slots, kv_heads, dim, generator=gen)
+    if kind == "int8":
+        q = torch.randn(slots, heads, dim, generator=gen)
+        cache.int8 = Int8Params.fit(q, k, v)
+    cache.write(torch.arange(slots), k.to(dtype), v.to(dtype))
+    return cache
+
+
+def _portable(
+    q: torch.Tensor,
+    cache: LayerKVCache,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    keys = torch.arange(tables.shape[1] * cache.block_size)[None, :]
+    mask = keys < lens[:, None]
+    if window is not None:
+        mask &= keys >= lens[:, None] - window
+    bias = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))[:, None, None, :]
+    k, v = cache.read_blocks(tables)
+    return _decode_attention(q, k, v, bias, scale).float()
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the kernel cannot build")
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    ("kv_heads", "heads", "dim", "block_size"),
+    [(2, 6, 64, 16), (4, 4, 128, 8), (1, 3, 24, 4)],  # GQA, MHA (head 128), MQA, odd head
+)
+def test_the_decode_kernel_matches_the_portable_path(
+    kind: KVDType, kv_heads: int, heads: int, dim: int, block_size: int, fresh_kernel: None
+) -> None:
+    cache = _cache(kind, torch.float32, kv_heads, heads, dim, block_size)
+    gen = torch.Generator().manual_seed(2)
+    lens = torch.tensor([1, block_size, block_size + 1, 7 * block_size - 3, 10 * block_size])
+    tables = torch.randperm(64, generator=gen)[: 5 * 10].view(5, 10)
+    q = cache.query(torch.randn(5, heads, dim, generator=gen))
+    for window in (None, 2 * block_size + 1):
+        got = cpu_decode.decode_attention(q, cache, tables, lens, dim**-0.5, window)
+        assert got is not None, "a C compiler is here, so the kernel must have built"
+        expected = _portable(q, cache, tables, lens, dim**-0.5, window)
+        # Both sum in float32, in different orders; INT8 queries carry the scales (~100x).
+        tolerance = 1e-3 if kind == "int8" else 1e-5
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=tolerance)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the kernel cannot build")
+def test_a_bfloat16_model_gets_float32_sums(fresh_kernel: None) -> None:
+    """With bfloat16 activations the kernel still sums in float32: closer to the exact
+    result than the portable path, whose matmuls round scores and outputs to bfloat16."""
+    cache = _cache("auto", torch.bfloat16, 2, 4, 64, 16)
+    q = torch.randn(3, 4, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    tables = torch.arange(30).view(3, 10)
+    lens = torch.tensor([5, 77, 160])
+    got = cpu_decode.decode_attention(q, cache, tables, lens, 0.125, None)
+    assert got is not None and got.dtype == torch.float32
+    exact_cache = LayerKVCache(
+        cache.k.double(), cache.v.double(), "auto", torch.float64, cache.block_size
+    )
+    exact = _portable(q.double(), exact_cache, tables, lens, 0.125, None).double()
+    portable = _portable(q, cache, tables, lens, 0.125, None)
+    assert float((got.double() - exact).abs().max()) < 1e-5
+    assert float((got.double() - exact).norm()) < float((portable.double() - exact).norm())
+
+
+def test_switched_off_the_portable_path_runs(
+    fresh_kernel: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("BROOK_CPU_KERNELS", "off")
+    cache = _cache("auto", torch.float32, 1, 1, 8, 4)
+    table = torch.zeros(1, 1, dtype=torch.long)
+    got = cpu_decode.decode_attention(
+        torch.ones(1, 1, 8), cache, table, torch.tensor([1]), 1.0, None
+    )
+    assert got is None and not cpu_decode.kernel_enabled()
+    assert not linear.cpu_packing_supported(torch.float32)
+
+
+def test_without_a_compiler_the_portable_path_runs_and_says_why(
+    fresh_kernel: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    with caplog.at_level("WARNING", logger="brook_engine.layers.cpu_decode"):
+        assert not cpu_decode.kernel_enabled()
+    assert "no C compiler" in caplog.text
+
+
+def test_a_kernel_that_fails_to_build_leaves_the_portable_path(
+    fresh_kernel: None,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    broken = tmp_path / "broken.c"
+    broken.write_text("this is not C\n")
+    monkeypatch.setattr(cpu_decode, "_SOURCE", broken)
+    with caplog.at_level("WARNING", logger="brook_engine.layers.cpu_decode"):
+        assert not cpu_decode.kernel_enabled()
+    assert "did not build" in caplog.text
+    assert not list(tmp_path.glob("*.so"))  # nothing half-written is left to load later
+
+
+@pytest.mark.skipif(
+    not linear.cpu_packing_supported(torch.float32), reason="oneDNN is not built into torch"
+)
+def test_packed_weights_replace_plain_ones_and_multiply_alike() -> None:
+    gen = torch.Generator().manual_seed(4)
+    model = nn.Module()
+    model.proj = linear.Linear(48, 80, bias=True)
+    model.head = linear.Linear(48, 100, bias=False)
+    model.embed = nn.Embedding(100, 48)
+    model.head.weight = model.embed.weight  # tied: the table must stay plain
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    plain_proj = model.proj.weight.detach().clone()
+    table = model.embed.weight
+    x = torch.randn(5, 48, generator=gen)
+    expected = (F.linear(x, plain_proj, model.proj.bias), F.linear(x, table))
+    added = linear.pack_cpu_weights(model)
+    assert model.proj.weight.is_mkldnn and model.proj.packed is None
+    assert model.head.weight is table and not table.is_mkldnn and model.head.packed is not None
+    assert added == table.numel() * table.element_size()  # only the tied copy costs memory
+    with torch.no_grad():
+        torch.testing.assert_close(model.proj(x), expected[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model.head(x), expected[1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model.proj(x[:1]), expected[0][:1], rtol=1e-5, atol=1e-5)
+    assert torch.equal(linear.dense(model.proj.weight), plain_proj)
+
+
+def test_the_engine_with_both_off_still_matches_with_both_on(
+    make_tiny_model: Callable[..., Path],
+    monkeypatch: pytest.MonkeyPatch,
+    fresh_kernel: None,
+) -> None:
+    """Greedy tokens of a mixed batch are the same through the fast paths and through the
+    portable ones (which accelerators run); both are held to transformers elsewhere."""
+    folder = make_tiny_model("llama")
+    kv = {"layer_policies": [{"start": 0.0, "end": 1.0, "dtype": "auto"}], "num_blocks": 64}
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [list(range(3, 3 + n)) for n in (4, 19, 33)]
+    fast = LLM(str(folder), dtype="float32", kv_cache=kv, progress=False)
+    fast_out = [o.outputs[0].token_ids for o in fast.generate(prompts, params, use_tqdm=False)]
+    runner = fast.engine.runner
+    assert any(m.weight.is_mkldnn for m in runner.model.modules() if isinstance(m, nn.Linear))
+    monkeypatch.setenv("BROOK_CPU_KERNELS", "off")
+    monkeypatch.setattr(cpu_decode, "_tried", False)
+    portable = LLM(str(folder), dtype="float32", kv_cache=kv, progress=False)
+    assert not cpu_decode.kernel_enabled()
+    modules = portable.engine.runner.model.modules()
+    assert not any(m.weight.is_mkldnn for m in modules if isinstance(m, nn.Linear))
+    slow_out = [o.outputs[0].token_ids for o in portable.generate(prompts, params, use_tqdm=False)]
+    assert fast_out == slow_out
