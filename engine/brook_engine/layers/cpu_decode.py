@@ -6,9 +6,11 @@ The batched-matmul path in ``attention.py`` stays the portable one (and the refe
 kernel is tested against); on CPU the kernel replaces it when a C compiler is available. It
 is built at first use with the machine's ``cc`` (``-O3 -march=native -fopenmp``, about a
 second) into a cache directory keyed by the source, the compiler and the CPU, and loaded with
-ctypes; the OpenMP runtime it links against is the one torch has already loaded. Without a
-compiler, or with ``BROOK_CPU_KERNELS=off`` (which also keeps linear weights plain), the
-portable path runs and the reason is logged once.
+ctypes; the OpenMP runtime it links against is the one torch has already loaded. Where no
+compiler is installed (the engine image), a copy built for a baseline CPU when the package
+was installed (``python -m brook_engine.layers.cpu_decode --prebuild``) is loaded if this
+CPU has what it was built for. Without either, or with ``BROOK_CPU_KERNELS=off`` (which
+also keeps linear weights plain), the portable path runs and the reason is logged once.
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ _KINDS = {
     torch.float8_e4m3fn: 4,
 }
 _LUT8 = 4
+# A copy built ahead for any CPU of a baseline: its flags and the CPU features it needs.
+_BASELINES: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
+    "x86_64": (("-march=x86-64-v3",), frozenset({"avx2", "fma", "f16c", "bmi2"})),
+    "aarch64": ((), frozenset()),
+}
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -73,11 +80,14 @@ def _build_and_open() -> ctypes.CDLL | None:
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
-        logger.warning(
-            "CPU decode attention: no C compiler (cc) found, running the portable path "
-            "(slower for batched decode); install gcc or set CC to enable the kernel"
-        )
-        return None
+        prebuilt = _open_prebuilt()
+        if prebuilt is None:
+            logger.warning(
+                "CPU decode attention: no C compiler (cc) found and no prebuilt kernel for "
+                "this CPU, running the portable path (slower for batched decode); install "
+                "gcc or set CC to enable the kernel"
+            )
+        return prebuilt
     source = _SOURCE.read_bytes()
     errors: list[str] = []
     for arch in (("-march=native",), ()):  # -march=native is unknown to some compilers
@@ -96,11 +106,60 @@ def _build_and_open() -> ctypes.CDLL | None:
         _declare(library)
         logger.info("CPU decode attention: C kernel %s", target.name)
         return library
-    logger.warning(
-        "CPU decode attention: the C kernel did not build, running the portable path: %s",
-        errors[-1][-2000:] if errors else "unknown error",
-    )
-    return None
+    prebuilt = _open_prebuilt()
+    if prebuilt is None:
+        logger.warning(
+            "CPU decode attention: the C kernel did not build, running the portable path: %s",
+            errors[-1][-2000:] if errors else "unknown error",
+        )
+    return prebuilt
+
+
+def prebuilt_path() -> Path:
+    return _SOURCE.with_name(f"paged_decode.{platform.machine()}.so")
+
+
+def _open_prebuilt() -> ctypes.CDLL | None:
+    """The copy built ahead for a baseline CPU, when it is there and this CPU has the
+    baseline's features (a missing instruction would kill the process, not raise)."""
+    path = prebuilt_path()
+    baseline = _BASELINES.get(platform.machine())
+    if baseline is None or not path.is_file() or not baseline[1] <= _cpu_features():
+        return None
+    try:
+        library = ctypes.CDLL(str(path))
+    except OSError as exc:
+        logger.warning("CPU decode attention: %s does not load: %s", path.name, exc)
+        return None
+    _declare(library)
+    logger.info("CPU decode attention: prebuilt C kernel %s", path.name)
+    return library
+
+
+def _cpu_features() -> frozenset[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def prebuild() -> Path:
+    """Build the baseline copy next to the source (at image build time, where a compiler
+    is installed and the CPU that will run it is not known)."""
+    baseline = _BASELINES.get(platform.machine())
+    if baseline is None:
+        raise RuntimeError(f"no baseline CPU is defined for {platform.machine()}")
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc) found")
+    target = prebuilt_path()
+    error = _compile(compiler, (*_FLAGS, *baseline[0]), target)
+    if error is not None:
+        raise RuntimeError(error)
+    return target
 
 
 def _key(compiler: str, flags: tuple[str, ...], source: bytes) -> str:
@@ -232,3 +291,11 @@ def decode_attention(
     if status != 0:
         raise MemoryError("decode attention: the kernel could not allocate its scratch memory")
     return out
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["--prebuild"]:
+        sys.exit("usage: python -m brook_engine.layers.cpu_decode --prebuild")
+    print(f"built {prebuild()}")

@@ -7,6 +7,7 @@ off (``BROOK_CPU_KERNELS=off``), the path accelerators take."""
 
 from __future__ import annotations
 
+import platform
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -199,3 +200,39 @@ def test_the_engine_with_both_off_still_matches_with_both_on(
     assert not any(m.weight.is_mkldnn for m in modules if isinstance(m, nn.Linear))
     slow_out = [o.outputs[0].token_ids for o in portable.generate(prompts, params, use_tqdm=False)]
     assert fast_out == slow_out
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: nothing to prebuild")
+def test_a_prebuilt_kernel_serves_where_no_compiler_is(
+    fresh_kernel: None,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The engine image builds a baseline copy at install time and has no compiler at run
+    time; a CPU without the baseline's features must not load it (it would die on the first
+    missing instruction)."""
+    source = tmp_path / "csrc" / "paged_decode.c"
+    source.parent.mkdir()
+    source.write_bytes(cpu_decode._SOURCE.read_bytes())
+    monkeypatch.setattr(cpu_decode, "_SOURCE", source)
+    built = cpu_decode.prebuild()
+    assert built.parent == source.parent and built.is_file()
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    baseline = cpu_decode._BASELINES.get(platform.machine())
+    if baseline is None or not baseline[1] <= cpu_decode._cpu_features():
+        pytest.skip("this CPU lacks the baseline the prebuilt copy targets")
+    with caplog.at_level("INFO", logger="brook_engine.layers.cpu_decode"):
+        assert cpu_decode.kernel_enabled()
+    assert "prebuilt C kernel" in caplog.text
+    cache = _cache("int8", torch.float32, 2, 4, 64, 16)
+    q = cache.query(torch.randn(2, 4, 64))
+    tables, lens = torch.arange(8).view(2, 4), torch.tensor([9, 60])
+    got = cpu_decode.decode_attention(q, cache, tables, lens, 0.125, None)
+    assert got is not None
+    expected = _portable(q, cache, tables, lens, 0.125, None)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-3)
+
+    monkeypatch.setattr(cpu_decode, "_tried", False)
+    monkeypatch.setattr(cpu_decode, "_cpu_features", lambda: frozenset())
+    assert not cpu_decode.kernel_enabled()
