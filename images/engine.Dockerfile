@@ -9,14 +9,14 @@ COPY pyproject.toml README.md constraints.txt ./
 COPY operator/ operator/
 COPY engine/ engine/
 RUN pip install --no-cache-dir --prefix=/install -c constraints.txt ".[${EXTRAS}]"
-# The CPU decode-attention kernel for a baseline CPU (x86-64-v3 / armv8-a): the runtime
+# The CPU kernels (decode attention, fused layer steps) for a baseline CPU (x86-64-v3 / armv8-a): the runtime
 # image has no compiler to build it at first use. Where this fails the engine runs the
 # portable path and says so in its log.
 RUN (command -v cc || (command -v apt-get && apt-get update \
         && apt-get install -y --no-install-recommends gcc libc6-dev)) >/dev/null \
     && PYTHONPATH="$(echo /install/lib/python3*/site-packages)" \
-        python -m brook_engine.layers.cpu_decode --prebuild \
-    || echo "CPU decode kernel not prebuilt: the portable path will run"
+        python -m brook_engine.layers.cpu_kernels --prebuild \
+    || echo "CPU kernels not prebuilt: the portable paths will run"
 
 FROM ${BASE}
 COPY --from=build /install /usr/local

@@ -36,10 +36,11 @@ def _add_engine_flags(parser: argparse.ArgumentParser, model_required: bool = Tr
     )
     parser.add_argument(
         "--one-row-weights",
-        choices=["model", "fp16"],
+        choices=["model", "bf16", "fp16"],
         default=None,
-        help="shapes.oneRowWeights: fp16 keeps an FP16 copy of a bfloat16 model's weights on "
-        "CPU for single-sequence decode steps (faster there, the weights' memory once more)",
+        help="shapes.oneRowWeights: bf16 (AVX512-BF16 CPUs) or fp16 keeps a copy of a "
+        "bfloat16 model's weights on CPU for single-sequence decode steps (faster there, the "
+        "weights' memory once more)",
     )
 
 

@@ -31,6 +31,7 @@ from brook_engine.kv_calibration import (
     calibration_positions,
     summarize,
 )
+from brook_engine.layers import cpu_fused
 from brook_engine.layers.attention import AttentionMetadata, PrefillSpan
 from brook_engine.layers.linear import keep_one_row_copies, pack_cpu_weights
 from brook_engine.layers.parallel import Shard
@@ -152,19 +153,9 @@ class ModelRunner:
         load_weights(model, folder, progress=progress and topo.is_driver)
         self.model = model.eval()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        self.one_row_copies = False
-        if config.shapes.one_row_weights == "fp16":
-            if self.device.type == "cpu" and self.dtype == torch.bfloat16:
-                self.weight_bytes += keep_one_row_copies(model)
-                self.one_row_copies = True
-            else:
-                log.warning(
-                    "shapes.oneRowWeights fp16 applies to bfloat16 models on CPU; ignored (%s, %s)",
-                    self.device.type,
-                    str(self.dtype).removeprefix("torch."),
-                )
         if self.device.type == "cpu":
             self.weight_bytes += pack_cpu_weights(model)
+        self.one_row_copies = self._keep_one_row_copies(config.shapes.one_row_weights)
         self.load_seconds = time.perf_counter() - started
         kv_start, kv_end = self.shard.kv_heads(arch.num_heads, arch.num_kv_heads)
         self.num_kv_heads = kv_end - kv_start  # this rank's
@@ -245,6 +236,29 @@ class ModelRunner:
         self._replica = self._gather_replica_facts()
 
     # -- replica-wide facts (rank 0 reports them) ------------------------------------------
+
+    def _keep_one_row_copies(self, choice: str) -> bool:
+        """``shapes.oneRowWeights``: copies of the weights for one-row products, where they
+        apply (a bfloat16 model on CPU; BF16 copies need the AVX512-BF16 kernel)."""
+        if choice == "model":
+            return False
+        if self.device.type != "cpu" or self.dtype != torch.bfloat16:
+            log.warning(
+                "shapes.oneRowWeights %s applies to bfloat16 models on CPU; ignored (%s, %s)",
+                choice,
+                self.device.type,
+                str(self.dtype).removeprefix("torch."),
+            )
+            return False
+        if choice == "bf16" and not cpu_fused.one_row_bf16_supported():
+            log.warning(
+                "shapes.oneRowWeights bf16 needs a CPU with AVX512-BF16 and Brook's CPU "
+                "kernels (see the log above); ignored, use fp16 on this CPU"
+            )
+            return False
+        dtype = torch.bfloat16 if choice == "bf16" else torch.float16
+        self.weight_bytes += keep_one_row_copies(self.model, dtype)
+        return True
 
     def _gather_replica_facts(self) -> dict[str, Any]:
         """Per global layer: its KV dtype and calibration error (the highest over the tensor

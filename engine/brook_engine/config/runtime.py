@@ -44,12 +44,13 @@ class ShapesConfig(Section):
     online_learning: bool = False
     """Add buckets for shapes seen in traffic that no registered pattern covers."""
 
-    one_row_weights: Literal["model", "fp16"] = "model"
+    one_row_weights: Literal["model", "bf16", "fp16"] = "model"
     """Weights a product with one row reads (every layer of a step decoding one sequence;
-    the LM head over one sampled row). fp16: on CPU, with a bfloat16 model, keep an FP16 copy
-    of every linear layer and the LM head for them: CPU kernels read FP16 weights 2-2.5x
-    faster than BF16 ones for one row, for the weights' memory once more. Ignored
-    elsewhere."""
+    the LM head over one sampled row). On CPU, with a bfloat16 model, a copy of every linear
+    layer for them, for the weights' memory once more: bf16, a plain copy read by Brook's
+    AVX512-BF16 kernel at about twice the rate of the packed weights (the model's values
+    exactly; needs AVX512-BF16); fp16, an FP16 copy for PyTorch's FP16 kernel (for CPUs
+    without AVX512-BF16). Ignored elsewhere."""
 
 
 class MoEConfig(Section):

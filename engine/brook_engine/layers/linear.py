@@ -1,5 +1,4 @@
-"""Linear layers: oneDNN-packed weights on CPU, and an optional FP16 copy for one-row
-products.
+"""Linear layers: oneDNN-packed weights on CPU, and an optional copy for one-row products.
 
 **Packed weights.** On CPU the runner reorders every linear weight once, after loading, into
 oneDNN's blocked layout for its matrix-multiply kernels (``pack_cpu_weights``), the layout
@@ -11,17 +10,21 @@ shared (an LM head tied to the embedding keeps the table and gains a packed copy
 differ from ``F.linear``'s by float rounding of the sums' order. ``BROOK_CPU_KERNELS=off``
 keeps the plain weights.
 
-**One-row FP16 copies.**
+**One-row copies.** A step with a single token row — one sequence decoding — multiplies
+one row by every weight matrix: a pure stream of the weights from memory, where oneDNN's and
+PyTorch's kernels for a BF16 model reach about half the machine's memory rate. Larger
+products (prefill, batched decode) are what the packed layout is for, so a faster one-row
+path needs a second copy of the weights, in the layout a one-row kernel reads best:
 
-PyTorch's CPU kernels multiply one row by a BF16 matrix at about 10 GB/s of weights read
-from memory, and by an FP16 matrix at about 25 GB/s (AVX512-BF16 host, 2 threads; the FP16
-path has a dedicated matrix-vector kernel). A step with a single token row — one sequence
-decoding — is such a product in every layer, so with ``shapes.oneRowWeights: fp16`` the
-runner keeps an FP16 copy of each BF16 weight for it; larger products (prefill, batched
-decode), where BF16 runs at 10× the FP16 rate, keep the model's weights. BF16 values convert
-to FP16 exactly (FP16 has 10 mantissa bits to BF16's 7) from 6.1e-5 up to 65,504; smaller
-weights and activations lose bits, and a product whose input or output leaves FP16's range
-is recomputed with the model's weights.
+- ``shapes.oneRowWeights: bf16``: a plain copy of the model's BF16 weights, read by Brook's
+  AVX512-BF16 kernel (``cpu_fused.one_row_bf16``: float32 sums, one rounding to BF16, as
+  PyTorch's product). The model's own values, so nothing can overflow. A tied LM head reads
+  the embedding table itself (no copy). Needs a CPU with AVX512-BF16.
+- ``shapes.oneRowWeights: fp16``: an FP16 copy for PyTorch's FP16 matrix-vector kernel, which
+  reads FP16 2-2.5x faster than its BF16 path on CPUs without AVX512-BF16 support in the
+  kernel. BF16 values convert to FP16 exactly (FP16 has 10 mantissa bits to BF16's 7) from
+  6.1e-5 up to 65,504; smaller weights and activations lose bits, and a product whose input
+  or output leaves FP16's range is recomputed with the model's weights.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from brook_engine.layers import cpu_fused
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +59,14 @@ def one_row_linear(
     bias: torch.Tensor | None,
     one_row: torch.Tensor | None,
 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` (``weight`` plain or packed), through ``one_row`` (the
-    weight in FP16) when ``x`` is a single row; a product that overflows FP16 is recomputed
-    with ``weight`` (the check sums one output row, a few microseconds next to reading the
-    matrix)."""
+    """``F.linear(x, weight, bias)`` (``weight`` plain or packed), through ``one_row`` (a plain
+    BF16 or FP16 copy of the weight) when ``x`` is a single row; a product that overflows FP16
+    is recomputed with ``weight`` (the check sums one output row, a few microseconds next to
+    reading the matrix)."""
     if one_row is None or x.shape[0] != 1:
         return product(x, weight, bias)
+    if one_row.dtype == torch.bfloat16:
+        return cpu_fused.one_row_bf16(x.contiguous(), one_row, bias)
     y = F.linear(x.to(one_row.dtype), one_row)
     if not math.isfinite(float(y.sum(dtype=torch.float32))):
         global _overflow_logged
@@ -75,7 +82,7 @@ def one_row_linear(
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose weight may be oneDNN-packed, with an optional FP16 copy of it for
+    """``nn.Linear`` whose weight may be oneDNN-packed, with an optional copy of it for
     one-row inputs (a plain attribute, not a parameter: checkpoints and ``parameters()``
     never see it)."""
 
@@ -131,13 +138,17 @@ def pack_cpu_weights(model: nn.Module) -> int:
     return added
 
 
-def keep_one_row_copies(model: nn.Module) -> int:
-    """Give every ``Linear`` and LM head of ``model`` an FP16 copy of its weight; returns
-    the bytes the copies take."""
+def keep_one_row_copies(model: nn.Module, dtype: torch.dtype) -> int:
+    """Give every ``Linear`` and LM head of ``model`` a plain copy of its weight in ``dtype``
+    (a weight that is plain in that dtype already, such as a tied head's embedding table, is
+    used as it is); returns the bytes the copies take."""
     added = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if hasattr(module, "one_row") and isinstance(weight, torch.Tensor):
-            module.one_row = dense(weight.detach()).to(torch.float16).contiguous()
-            added += module.one_row.numel() * module.one_row.element_size()
+            plain = weight.detach()
+            if plain.is_mkldnn or plain.dtype != dtype or not plain.is_contiguous():
+                plain = dense(plain).to(dtype).contiguous()
+                added += plain.numel() * plain.element_size()
+            module.one_row = plain
     return added

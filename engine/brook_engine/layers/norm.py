@@ -1,10 +1,12 @@
-"""RMSNorm, computed in float32 as the reference implementations do."""
+"""RMSNorm, computed in float32 as the reference implementations do; on CPU fused with the
+residual add before it (``layers.cpu_fused``)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from brook_engine.layers import cpu_fused
 
 
 class RMSNorm(nn.Module):
@@ -15,5 +17,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [tokens, hidden]; normalise in float32, scale in the model dtype (as the reference)
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        return cpu_fused.add_rms_norm(x, None, self.weight, self.eps)[0]
+
+    def add_norm(
+        self, x: torch.Tensor, delta: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + delta), x + delta)``; ``delta`` None adds nothing."""
+        return cpu_fused.add_rms_norm(x, delta, self.weight, self.eps)

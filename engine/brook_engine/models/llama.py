@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from brook_engine.kv_cache import LayerKVCache
+from brook_engine.layers import cpu_fused
 from brook_engine.layers.attention import AttentionMetadata, paged_attention
 from brook_engine.layers.linear import Linear, dense
 from brook_engine.layers.norm import RMSNorm
@@ -26,7 +27,7 @@ from brook_engine.layers.parallel import (
     VocabParallelEmbedding,
     VocabParallelHead,
 )
-from brook_engine.layers.rotary import RotaryEmbedding, apply_rotary
+from brook_engine.layers.rotary import RotaryEmbedding
 from brook_engine.models.arch import ModelArch
 
 #: cos and sin of the step's positions, [tokens, 1, head_dim] each
@@ -79,8 +80,8 @@ class Attention(nn.Module):
         heads = self.num_heads + 2 * self.num_kv_heads
         qkv = self.qkv_proj(x).view(tokens, heads, self.head_dim)
         rotated = self.num_heads + self.num_kv_heads  # q and k heads are adjacent
-        qk = apply_rotary(qkv[:, :rotated], *rotary)
-        return qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, rotated:]
+        cpu_fused.rotary_(qkv, *rotary, rotated)  # in place: qkv is this call's own tensor
+        return qkv[:, : self.num_heads], qkv[:, self.num_heads : rotated], qkv[:, rotated:]
 
 
 class MLP(nn.Module):
@@ -98,8 +99,7 @@ class MLP(nn.Module):
         self.comm = comm if shard.tp_size > 1 else None
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        out = self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(cpu_fused.silu_mul(self.gate_up_proj(x)))
         return out if self.comm is None or not reduce else self.comm.all_reduce(out)
 
 
@@ -116,12 +116,19 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        delta: torch.Tensor | None,
         rotary: Rotary,
         cache: LayerKVCache,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotary, cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))  # type: ignore[no-any-return]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream ``x`` plus the previous layer's output ``delta`` (None on a
+        stage's first layer) through this layer: ``(residual, this layer's MLP output)``.
+        Each residual add is fused with the RMSNorm that follows it, so the MLP output is
+        handed on and added by the next layer's norm."""
+        normed, x = self.input_layernorm.add_norm(x, delta)
+        attended = self.self_attn(normed, rotary, cache, meta)
+        normed, x = self.post_attention_layernorm.add_norm(x, attended)
+        return x, self.mlp(normed)
 
     def partial(
         self,
@@ -197,10 +204,13 @@ class CausalLM(nn.Module):
         embed = self.model.embed_tokens
         x = embed(inputs) if embed is not None else inputs  # [tokens, hidden]
         cos_sin = rotary.lookup(positions)
+        delta: torch.Tensor | None = None
         for layer, cache in zip(self.model.layers, caches, strict=True):
-            x = layer(x, cos_sin, cache, meta)
+            x, delta = layer(x, delta, cos_sin, cache, meta)
         norm = self.model.norm
-        return norm(x) if norm is not None else x
+        if norm is not None:
+            return norm.add_norm(x, delta)[0]
+        return x if delta is None else x + delta
 
     def forward_interleaved(
         self,

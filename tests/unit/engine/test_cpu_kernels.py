@@ -20,7 +20,7 @@ from torch import nn
 from brook_engine import LLM, SamplingParams
 from brook_engine.config import KVDType
 from brook_engine.kv_cache import Int8Params, LayerKVCache
-from brook_engine.layers import cpu_decode, linear
+from brook_engine.layers import cpu_decode, cpu_fused, cpu_kernels, linear
 from brook_engine.layers.attention import _decode_attention
 
 KINDS: list[KVDType] = ["auto", "fp16", "bf16", "fp8_e5m2", "fp8_e4m3", "int8"]
@@ -30,8 +30,8 @@ KINDS: list[KVDType] = ["auto", "fp16", "bf16", "fp8_e5m2", "fp8_e4m3", "int8"]
 def fresh_kernel(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
     """The kernel loader as if this process had not loaded it yet, building into tmp_path."""
     monkeypatch.setenv("BROOK_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_decode, "_tried", False)
-    monkeypatch.setattr(cpu_decode, "_library", None)
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "_library", None)
     yield
 
 
@@ -129,7 +129,7 @@ def test_without_a_compiler_the_portable_path_runs_and_says_why(
     fresh_kernel: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("CC", "no-such-compiler-here")
-    with caplog.at_level("WARNING", logger="brook_engine.layers.cpu_decode"):
+    with caplog.at_level("WARNING", logger="brook_engine.layers.cpu_kernels"):
         assert not cpu_decode.kernel_enabled()
     assert "no C compiler" in caplog.text
 
@@ -142,11 +142,27 @@ def test_a_kernel_that_fails_to_build_leaves_the_portable_path(
 ) -> None:
     broken = tmp_path / "broken.c"
     broken.write_text("this is not C\n")
-    monkeypatch.setattr(cpu_decode, "_SOURCE", broken)
-    with caplog.at_level("WARNING", logger="brook_engine.layers.cpu_decode"):
+    monkeypatch.setattr(cpu_kernels, "_SOURCES", (*cpu_kernels._SOURCES, broken))
+    with caplog.at_level("WARNING", logger="brook_engine.layers.cpu_kernels"):
         assert not cpu_decode.kernel_enabled()
     assert "did not build" in caplog.text
     assert not list(tmp_path.glob("*.so"))  # nothing half-written is left to load later
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the kernels cannot build")
+def test_an_optional_kernel_that_fails_to_build_leaves_the_others(
+    fresh_kernel: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A compiler without AVX512-BF16 intrinsics still builds decode attention and the fused
+    steps; the one-row BF16 kernel is then reported missing (its option warns and is off)."""
+    broken = tmp_path / "one_row_bf16.c"
+    broken.write_text("#error this compiler has no AVX512-BF16 intrinsics\n")
+    sources = tuple(p for p in cpu_kernels._SOURCES if p.name != broken.name)
+    monkeypatch.setattr(cpu_kernels, "_SOURCES", (*sources, broken))
+    assert cpu_kernels.enabled() and cpu_decode.kernel_enabled()
+    assert not cpu_fused.one_row_bf16_supported()
+    row, weight = torch.randn(1, 16).bfloat16(), torch.randn(4, 16).bfloat16()
+    assert torch.equal(cpu_fused.one_row_bf16(row, weight, None), F.linear(row, weight))
 
 
 @pytest.mark.skipif(
@@ -193,7 +209,7 @@ def test_the_engine_with_both_off_still_matches_with_both_on(
     runner = fast.engine.runner
     assert any(m.weight.is_mkldnn for m in runner.model.modules() if isinstance(m, nn.Linear))
     monkeypatch.setenv("BROOK_CPU_KERNELS", "off")
-    monkeypatch.setattr(cpu_decode, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
     portable = LLM(str(folder), dtype="float32", kv_cache=kv, progress=False)
     assert not cpu_decode.kernel_enabled()
     modules = portable.engine.runner.model.modules()
@@ -212,19 +228,22 @@ def test_a_prebuilt_kernel_serves_where_no_compiler_is(
     """The engine image builds a baseline copy at install time and has no compiler at run
     time; a CPU without the baseline's features must not load it (it would die on the first
     missing instruction)."""
-    source = tmp_path / "csrc" / "paged_decode.c"
-    source.parent.mkdir()
-    source.write_bytes(cpu_decode._SOURCE.read_bytes())
-    monkeypatch.setattr(cpu_decode, "_SOURCE", source)
-    built = cpu_decode.prebuild()
-    assert built.parent == source.parent and built.is_file()
+    csrc = tmp_path / "csrc"
+    csrc.mkdir()
+    sources = []
+    for original in cpu_kernels._SOURCES:
+        sources.append(csrc / original.name)
+        sources[-1].write_bytes(original.read_bytes())
+    monkeypatch.setattr(cpu_kernels, "_SOURCES", tuple(sources))
+    built = cpu_kernels.prebuild()
+    assert built.parent == csrc and built.is_file()
     monkeypatch.setenv("CC", "no-such-compiler-here")
-    baseline = cpu_decode._BASELINES.get(platform.machine())
-    if baseline is None or not baseline[1] <= cpu_decode._cpu_features():
+    baseline = cpu_kernels._BASELINES.get(platform.machine())
+    if baseline is None or not baseline[1] <= cpu_kernels.cpu_features():
         pytest.skip("this CPU lacks the baseline the prebuilt copy targets")
-    with caplog.at_level("INFO", logger="brook_engine.layers.cpu_decode"):
+    with caplog.at_level("INFO", logger="brook_engine.layers.cpu_kernels"):
         assert cpu_decode.kernel_enabled()
-    assert "prebuilt C kernel" in caplog.text
+    assert "prebuilt" in caplog.text
     cache = _cache("int8", torch.float32, 2, 4, 64, 16)
     q = cache.query(torch.randn(2, 4, 64))
     tables, lens = torch.arange(8).view(2, 4), torch.tensor([9, 60])
@@ -232,7 +251,17 @@ def test_a_prebuilt_kernel_serves_where_no_compiler_is(
     assert got is not None
     expected = _portable(q, cache, tables, lens, 0.125, None)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-3)
+    # The fused steps come from the same library (the one-row BF16 kernel checks the CPU).
+    gate_up = torch.randn(3, 64).bfloat16()
+    expected_act = F.silu(gate_up[:, :32]) * gate_up[:, 32:]
+    torch.testing.assert_close(cpu_fused.silu_mul(gate_up), expected_act, rtol=8e-3, atol=8e-3)
+    if cpu_fused.one_row_bf16_supported():
+        weight, row = torch.randn(24, 40).bfloat16(), torch.randn(1, 40).bfloat16()
+        expected_row = F.linear(row.float(), weight.float()).bfloat16()
+        torch.testing.assert_close(
+            cpu_fused.one_row_bf16(row, weight, None), expected_row, rtol=8e-3, atol=8e-3
+        )
 
-    monkeypatch.setattr(cpu_decode, "_tried", False)
-    monkeypatch.setattr(cpu_decode, "_cpu_features", lambda: frozenset())
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "cpu_features", lambda: frozenset())
     assert not cpu_decode.kernel_enabled()

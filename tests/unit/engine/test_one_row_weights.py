@@ -1,6 +1,7 @@
-"""FP16 copies for one-row products (``shapes.oneRowWeights``): the copy is used for a single
-row and only then, it is at least as exact as the BF16 product, a product that overflows FP16
-is recomputed with the model's weights, and the option is ignored where it does not apply."""
+"""Copies of the weights for one-row products (``shapes.oneRowWeights``, BF16 for Brook's
+AVX512-BF16 kernel or FP16 for PyTorch's): the copy is used for a single row and only then,
+it is at least as exact as the packed BF16 product, a product that overflows FP16 is
+recomputed with the model's weights, and the option is ignored where it does not apply."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from brook_engine import LLM
+from brook_engine.layers import cpu_fused
 from brook_engine.layers.linear import dense, keep_one_row_copies, one_row_linear
 
 EXACT_KV = {
@@ -57,22 +59,51 @@ def _llm(folder: Path, one_row: str) -> LLM:
     )
 
 
+COPIES = [
+    "fp16",
+    pytest.param(
+        "bf16",
+        marks=pytest.mark.skipif(
+            not cpu_fused.one_row_bf16_supported(), reason="this CPU has no AVX512-BF16"
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("kind", COPIES)
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: tied head, qkv bias
 def test_the_engine_keeps_copies_counts_them_and_decodes_alike(
-    make_tiny_model: Callable[..., Path], arch: str
+    make_tiny_model: Callable[..., Path],
+    arch: str,
+    kind: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     folder = make_tiny_model(arch)
-    plain, copies = _llm(folder, "model"), _llm(folder, "fp16")
+    plain, copies = _llm(folder, "model"), _llm(folder, kind)
     assert not plain.engine.runner.one_row_copies and copies.engine.runner.one_row_copies
     model = copies.engine.runner.model
     layers = model.model.layers
     products = [layers[0].self_attn.qkv_proj, layers[0].mlp.down_proj, model.lm_head]
-    assert all(m.one_row is not None and m.one_row.dtype == torch.float16 for m in products)
+    dtype = torch.float16 if kind == "fp16" else torch.bfloat16
+    assert all(m.one_row is not None and m.one_row.dtype == dtype for m in products)
+    for m in products:
+        assert torch.equal(m.one_row, dense(m.weight).to(dtype))  # the same values
+    embed = model.model.embed_tokens.weight
+    tied = model.lm_head.one_row.data_ptr() == embed.data_ptr()
+    assert tied == (kind == "bf16" and model.arch.tie_word_embeddings)  # no copy of a table
     copied = sum(
-        m.weight.numel() for m in model.modules() if getattr(m, "one_row", None) is not None
+        m.weight.numel()
+        for m in model.modules()
+        if getattr(m, "one_row", None) is not None and m.one_row.data_ptr() != embed.data_ptr()
     )
     assert copied > 0
     assert copies.engine.runner.weight_bytes - plain.engine.runner.weight_bytes == 2 * copied
+    calls = []
+    if kind == "bf16":  # count the kernel's products: one per linear layer and the head
+        kernel = cpu_fused.one_row_bf16
+        monkeypatch.setattr(
+            cpu_fused, "one_row_bf16", lambda *a: calls.append(a[0].shape) or kernel(*a)
+        )
     # One row: through the copies, as close to float32 as the BF16 products are.
     reference = LLM(
         str(folder), dtype="float32", max_model_len=128, kv_cache=EXACT_KV, progress=False
@@ -83,9 +114,14 @@ def test_the_engine_keeps_copies_counts_them_and_decodes_alike(
         for name, llm in (("plain", plain), ("copies", copies))
     }
     assert error["copies"] <= 1.5 * error["plain"] + 1e-2, error
-    assert not torch.equal(copies.engine.prompt_logits([11]), plain.engine.prompt_logits([11]))
+    if kind == "fp16":
+        assert not torch.equal(copies.engine.prompt_logits([11]), plain.engine.prompt_logits([11]))
+    else:
+        assert len(calls) == 4 * len(layers) + 1 and {shape[0] for shape in calls} == {1}
+        calls.clear()
     longer = list(range(5, 25))  # more than one row: the model's weights, bit for bit
     assert torch.equal(copies.engine.prompt_logits(longer), plain.engine.prompt_logits(longer))
+    assert not calls
 
 
 def test_an_fp16_overflow_is_recomputed_with_the_model_weights(
@@ -101,7 +137,7 @@ def test_an_fp16_overflow_is_recomputed_with_the_model_weights(
     for llm in (plain, copies):  # products far beyond FP16's 65,504, fine in BF16
         down = llm.engine.runner.model.model.layers[0].mlp.down_proj
         down.weight = nn.Parameter(dense(down.weight) * 1e6, requires_grad=False)
-    keep_one_row_copies(copies.engine.runner.model)
+    keep_one_row_copies(copies.engine.runner.model, torch.float16)
     down = copies.engine.runner.model.model.layers[0].mlp.down_proj
     row = torch.ones(1, down.in_features, dtype=torch.bfloat16)
     assert not F.linear(row.half(), down.one_row).isfinite().all()  # the copy overflows

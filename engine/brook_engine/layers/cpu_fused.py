@@ -1,0 +1,143 @@
+"""Fused steps of a decoder layer on CPU, each with the portable PyTorch sequence it replaces.
+
+A decode step of one sequence is hundreds of tiny operations besides its matrix products:
+RMSNorm alone is six of them, rotary embedding seven, each a few microseconds of dispatch
+for a few hundred numbers. The C kernels of ``csrc/fused_ops.c`` do each step in one pass
+over the rows, rounding where the PyTorch sequence rounds (to the model's 16-bit type after
+every operation PyTorch runs in it), so the two agree up to the order of a sum. The one-row
+BF16 product (``csrc/one_row_bf16.c``) reads a plain BF16 weight at about twice the rate
+PyTorch's kernels do for a single row.
+
+Every function takes the kernel where it can (a CPU tensor of float32, bfloat16 or float16,
+the C kernels built: ``cpu_kernels``) and otherwise runs the portable sequence, which is
+what accelerators and ``BROOK_CPU_KERNELS=off`` run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+from brook_engine.layers import cpu_kernels
+from brook_engine.layers.rotary import apply_rotary
+
+_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _kernels(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+    """The kernel library when every tensor is a contiguous CPU tensor of one supported
+    dtype; None where the portable path must run."""
+    dtype = tensors[0].dtype
+    for t in tensors:
+        if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous():
+            return None
+    if dtype not in _KINDS:
+        return None
+    return cpu_kernels.library()
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weight * rms_norm(residual), residual)`` with ``residual = x + delta`` (``x`` when
+    ``delta`` is None), for x [tokens, hidden]: the residual add and the next RMSNorm of a
+    pre-norm block. RMSNorm normalizes in float32 and scales in the model's dtype, as the
+    reference implementations do."""
+    operands = (x, weight) if delta is None else (x, delta, weight)
+    lib = _kernels(*operands) if x.dim() == 2 else None
+    if lib is None:
+        residual = x if delta is None else x + delta
+        normed = F.rms_norm(residual.float(), (residual.shape[-1],), eps=eps)
+        return weight * normed.to(residual.dtype), residual
+    rows, hidden = x.shape
+    out = torch.empty_like(x)
+    residual = x if delta is None else torch.empty_like(x)
+    lib.brook_add_rms_norm(
+        x.data_ptr(),
+        None if delta is None else delta.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        None if delta is None else residual.data_ptr(),
+        rows,
+        hidden,
+        eps,
+        _KINDS[x.dtype],
+        torch.get_num_threads(),
+    )
+    return out, residual
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for gate_up [tokens, 2 * inter] (gate first), the SiLU-gated
+    MLP's activation."""
+    inter = gate_up.shape[-1] // 2
+    lib = _kernels(gate_up) if gate_up.dim() == 2 else None
+    if lib is None:
+        return F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
+    rows = gate_up.shape[0]
+    out = torch.empty((rows, inter), dtype=gate_up.dtype)
+    lib.brook_silu_mul(
+        gate_up.data_ptr(), out.data_ptr(), rows, inter, _KINDS[gate_up.dtype],
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotated: int) -> None:
+    """Rotate the first ``rotated`` heads of qkv [tokens, heads, head_dim] in place (the
+    query and key heads, adjacent in the projection) by cos and sin [tokens, 1, head_dim]."""
+    tokens, heads, dim = qkv.shape
+    cos2, sin2 = cos.reshape(tokens, dim), sin.reshape(tokens, dim)
+    lib = _kernels(qkv, cos2, sin2) if dim % 2 == 0 else None
+    if lib is None:
+        qkv[:, :rotated] = apply_rotary(qkv[:, :rotated], cos, sin)
+        return
+    lib.brook_rotary(
+        qkv.data_ptr(), cos2.data_ptr(), sin2.data_ptr(), tokens, heads, rotated, dim,
+        _KINDS[qkv.dtype], torch.get_num_threads(),
+    )  # fmt: skip
+
+
+_bf16_support: tuple[ctypes.CDLL | None, bool] | None = None
+
+
+def one_row_bf16_supported() -> bool:
+    """Whether the one-row BF16 kernel runs here (an AVX512-BF16 CPU, the kernels built)."""
+    global _bf16_support
+    lib = cpu_kernels.library()
+    if _bf16_support is None or _bf16_support[0] is not lib:
+        found = lib is not None and hasattr(lib, "brook_one_row_bf16_supported")
+        _bf16_support = (lib, found and bool(lib.brook_one_row_bf16_supported()))  # type: ignore[union-attr]
+    return _bf16_support[1]
+
+
+def one_row_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for one BF16 row x [1, in] and a plain BF16 weight
+    [out, in], by the C kernel where it runs (else by ``F.linear``)."""
+    operands = (x, weight) if bias is None else (x, weight, bias)
+    usable = (
+        x.dtype == torch.bfloat16
+        and x.shape[0] == 1
+        and weight.dim() == 2
+        and x.shape[-1] == weight.shape[1]
+        and (bias is None or bias.shape == (weight.shape[0],))
+        and _kernels(*operands) is not None
+        and one_row_bf16_supported()
+    )
+    lib = cpu_kernels.library()
+    if not usable or lib is None:
+        return F.linear(x, weight, bias)
+    out_features, in_features = weight.shape
+    out = torch.empty((1, out_features), dtype=torch.bfloat16)
+    lib.brook_one_row_bf16(
+        x.data_ptr(),
+        weight.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        out_features,
+        in_features,
+        torch.get_num_threads(),
+    )
+    return out

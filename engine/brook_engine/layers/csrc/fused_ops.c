@@ -1,0 +1,164 @@
+/* Fused element-wise steps of a decoder layer on CPU: each replaces a chain of small
+ * PyTorch operations (and the temporaries between them) by one pass over the rows. Built
+ * with the decode-attention kernel into one library by brook_engine/layers/cpu_kernels.py
+ * and called through ctypes from brook_engine/layers/cpu_fused.py.
+ *
+ * Each function rounds where the PyTorch sequence it replaces rounds (to the model's
+ * 16-bit type after every operation PyTorch runs in that type), so results match the
+ * portable path up to the order of a sum; floating-point contraction is off in this file so
+ * that a product and the sum after it are not fused into one rounding.
+ *
+ * Types (`kind`): 0 float32, 1 bfloat16, 2 float16. Tensors are contiguous, row-major.
+ * Rows are split over OpenMP threads when there is enough work to pay for waking them.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#pragma GCC optimize("fp-contract=off")
+
+enum { F32 = 0, BF16 = 1, F16 = 2 };
+
+/* Below this many elements a call runs on the calling thread: waking the pool costs more
+ * than it saves (a single decode row is 576-3,072 elements). */
+#define PARALLEL_MIN 32768
+
+static inline float load(const void *base, int64_t i, int kind) {
+  if (kind == F32) return ((const float *)base)[i];
+  if (kind == BF16) {
+    uint32_t bits = (uint32_t)((const uint16_t *)base)[i] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+  }
+  return (float)((const _Float16 *)base)[i];
+}
+
+/* float32 -> bfloat16 bits, rounding to nearest even as PyTorch does (NaN kept NaN). */
+static inline uint16_t to_bf16(float f) {
+  uint32_t bits;
+  memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return (uint16_t)(bits >> 16);
+}
+
+/* f rounded to the storage type (what PyTorch's result in that type holds). */
+static inline float round_to(float f, int kind) {
+  if (kind == BF16) {
+    uint32_t bits = (uint32_t)to_bf16(f) << 16;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+  }
+  if (kind == F16) return (float)(_Float16)f;
+  return f;
+}
+
+static inline void store(void *base, int64_t i, float f, int kind) {
+  if (kind == F32)
+    ((float *)base)[i] = f;
+  else if (kind == BF16)
+    ((uint16_t *)base)[i] = to_bf16(f);
+  else
+    ((_Float16 *)base)[i] = (_Float16)f;
+}
+
+/* exp(x) over the whole float range: x = k ln2 + r, exp(r) by its Taylor polynomial to
+ * degree 7 (relative error below 1e-7), 2^k in the exponent bits; vectorizes where a libm
+ * call does not. Beyond float32's range it returns infinity (as expf does), so that
+ * silu(g) = g / (1 + exp(-g)) is -0 for very negative g and NaN at -infinity, as PyTorch's. */
+static inline float exp_any(float x) {
+  const int overflow = x > 88.7228f;
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  const float k = floorf(x * 1.44269504f + 0.5f);
+  const float r = (x - k * 0.693145752f) - k * 1.42860677e-6f;
+  float p = 1.98412698e-4f;
+  p = p * r + 1.38888889e-3f;
+  p = p * r + 8.33333333e-3f;
+  p = p * r + 4.16666667e-2f;
+  p = p * r + 1.66666667e-1f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = ((int32_t)k + 127) << 23;
+  float two_k;
+  memcpy(&two_k, &bits, sizeof two_k);
+  return overflow ? INFINITY : p * two_k;
+}
+
+/* residual = x + delta (or x when delta is NULL; then residual may be NULL), rounded to the
+ * type; out = weight * rms_norm(residual in float32) with the normalized value rounded to
+ * the type before the weight multiplies it — RMSNorm's forward in layers/norm.py. */
+void brook_add_rms_norm(const void *x, const void *delta, const void *weight, void *out,
+                        void *residual, int64_t rows, int64_t hidden, float eps, int kind,
+                        int threads) {
+  const int parallel = rows > 1 && rows * hidden >= PARALLEL_MIN;
+#pragma omp parallel for num_threads(threads) if (parallel) schedule(static)
+  for (int64_t r = 0; r < rows; r++) {
+    const int64_t base = r * hidden;
+    float sum = 0.0f;
+    if (delta != NULL) {
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < hidden; i++) {
+        const float v = round_to(load(x, base + i, kind) + load(delta, base + i, kind), kind);
+        store(residual, base + i, v, kind);
+        sum += v * v;
+      }
+    } else {
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < hidden; i++) {
+        const float v = load(x, base + i, kind);
+        sum += v * v;
+      }
+    }
+    const void *src = delta != NULL ? residual : x;
+    const float scale = 1.0f / sqrtf(sum / (float)hidden + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < hidden; i++) {
+      const float normed = round_to(load(src, base + i, kind) * scale, kind);
+      store(out, base + i, load(weight, i, kind) * normed, kind);
+    }
+  }
+}
+
+/* out[r] = silu(gate[r]) * up[r] for gate_up [rows, 2 * inter] (gate first), silu's value
+ * rounded to the type before the product, as F.silu(gate) * up computes it. */
+void brook_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int kind,
+                    int threads) {
+  const int parallel = rows * inter >= PARALLEL_MIN;
+#pragma omp parallel for num_threads(threads) if (parallel) schedule(static)
+  for (int64_t r = 0; r < rows; r++) {
+    const int64_t in = r * 2 * inter, at = r * inter;
+#pragma omp simd
+    for (int64_t i = 0; i < inter; i++) {
+      const float g = load(gate_up, in + i, kind);
+      const float silu = round_to(g / (1.0f + exp_any(-g)), kind);
+      store(out, at + i, silu * load(gate_up, in + inter + i, kind), kind);
+    }
+  }
+}
+
+/* Rotary embedding in place on the first `rotated` heads of x [tokens, heads, dim] with
+ * cos, sin [tokens, dim] (already looked up by position): x * cos + rotate_half(x) * sin,
+ * each product and the sum rounded to the type (layers/rotary.apply_rotary). */
+void brook_rotary(void *x, const void *cos, const void *sin, int64_t tokens, int64_t heads,
+                  int64_t rotated, int64_t dim, int kind, int threads) {
+  const int64_t half = dim / 2;
+  const int parallel = tokens * rotated * dim >= PARALLEL_MIN;
+#pragma omp parallel for num_threads(threads) if (parallel) schedule(static)
+  for (int64_t t = 0; t < tokens; t++) {
+    for (int64_t h = 0; h < rotated; h++) {
+      const int64_t at = (t * heads + h) * dim, c = t * dim;
+#pragma omp simd
+      for (int64_t i = 0; i < half; i++) {
+        const float a = load(x, at + i, kind), b = load(x, at + half + i, kind);
+        const float lo = round_to(a * load(cos, c + i, kind), kind) +
+                         round_to(-b * load(sin, c + i, kind), kind);
+        const float hi = round_to(b * load(cos, c + half + i, kind), kind) +
+                         round_to(a * load(sin, c + half + i, kind), kind);
+        store(x, at + i, lo, kind);
+        store(x, at + half + i, hi, kind);
+      }
+    }
+  }
+}
