@@ -91,7 +91,7 @@ def _build_and_open() -> ctypes.CDLL | None:
     ]
     for arch, paths in attempts:
         flags = (*_FLAGS, *arch)
-        sources = [path.read_bytes() for path in paths]
+        sources = [path.read_bytes() for path in (*paths, *_headers(paths))]
         target = _cache_dir() / f"brook_kernels-{_key(compiler, flags, sources)}.so"
         if not target.exists():
             error = _compile(compiler, flags, paths, target)
@@ -113,6 +113,11 @@ def _build_and_open() -> ctypes.CDLL | None:
             errors[-1][-2000:] if errors else "unknown error",
         )
     return prebuilt
+
+
+def _headers(sources: tuple[Path, ...]) -> list[Path]:
+    """The headers the sources include (their folder's), part of the build key."""
+    return sorted({h for path in sources for h in path.parent.glob("*.h")})
 
 
 def prebuilt_path() -> Path:

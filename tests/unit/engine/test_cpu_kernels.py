@@ -234,6 +234,8 @@ def test_a_prebuilt_kernel_serves_where_no_compiler_is(
     for original in cpu_kernels._SOURCES:
         sources.append(csrc / original.name)
         sources[-1].write_bytes(original.read_bytes())
+    for header in cpu_kernels._SOURCES[0].parent.glob("*.h"):
+        (csrc / header.name).write_bytes(header.read_bytes())
     monkeypatch.setattr(cpu_kernels, "_SOURCES", tuple(sources))
     built = cpu_kernels.prebuild()
     assert built.parent == csrc and built.is_file()

@@ -15,6 +15,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "fast_exp.h"
+
 #pragma GCC optimize("fp-contract=off")
 
 enum { F32 = 0, BF16 = 1, F16 = 2 };
@@ -63,27 +65,13 @@ static inline void store(void *base, int64_t i, float f, int kind) {
     ((_Float16 *)base)[i] = (_Float16)f;
 }
 
-/* exp(x) over the whole float range: x = k ln2 + r, exp(r) by its Taylor polynomial to
- * degree 7 (relative error below 1e-7), 2^k in the exponent bits; vectorizes where a libm
- * call does not. Beyond float32's range it returns infinity (as expf does), so that
+/* exp(x) over the whole float range. Beyond float32's range it returns infinity (as expf
+ * does), so that
  * silu(g) = g / (1 + exp(-g)) is -0 for very negative g and NaN at -infinity, as PyTorch's. */
 static inline float exp_any(float x) {
   const int overflow = x > 88.7228f;
-  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-  const float k = floorf(x * 1.44269504f + 0.5f);
-  const float r = (x - k * 0.693145752f) - k * 1.42860677e-6f;
-  float p = 1.98412698e-4f;
-  p = p * r + 1.38888889e-3f;
-  p = p * r + 8.33333333e-3f;
-  p = p * r + 4.16666667e-2f;
-  p = p * r + 1.66666667e-1f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = ((int32_t)k + 127) << 23;
-  float two_k;
-  memcpy(&two_k, &bits, sizeof two_k);
-  return overflow ? INFINITY : p * two_k;
+  const float e = exp_in_range(x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x));
+  return overflow ? INFINITY : e;
 }
 
 /* residual = x + delta (or x when delta is NULL; then residual may be NULL), rounded to the

@@ -18,32 +18,16 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "fast_exp.h"
 #if defined(__F16C__)
 #include <immintrin.h>
 #endif
 
 enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_F16 = 2, KIND_I8 = 3, KIND_LUT8 = 4 };
 
-/* exp(x) for x <= 0 (a score minus the largest): x = k ln2 + r with |r| <= ln2/2, exp(r) by
- * its Taylor polynomial to degree 7 (relative error below 1e-7), 2^k built in the exponent
- * bits. Written out so that the loop vectorizes, which a libm call does not. */
-static inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x; /* below, exp underflows float32 anyway */
-  const float k = floorf(x * 1.44269504f + 0.5f);
-  const float r = (x - k * 0.693145752f) - k * 1.42860677e-6f;
-  float p = 1.98412698e-4f;
-  p = p * r + 1.38888889e-3f;
-  p = p * r + 8.33333333e-3f;
-  p = p * r + 4.16666667e-2f;
-  p = p * r + 1.66666667e-1f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = ((int32_t)k + 127) << 23;
-  float two_k;
-  memcpy(&two_k, &bits, sizeof two_k);
-  return p * two_k;
-}
+/* exp(x) for x <= 0 (a score minus the largest); below -87 exp underflows float32 anyway. */
+static inline float exp_nonpositive(float x) { return exp_in_range(x < -87.0f ? -87.0f : x); }
 
 /* n consecutive stored values starting at element `at` of `base`, as float32. */
 static void to_float(const void *base, int64_t at, int64_t n, int kind, const float *lut,
