@@ -85,19 +85,21 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotated: int) -> None:
-    """Rotate the first ``rotated`` heads of qkv [tokens, heads, head_dim] in place (the
-    query and key heads, adjacent in the projection) by cos and sin [tokens, 1, head_dim]."""
+def rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotated: int) -> torch.Tensor:
+    """The first ``rotated`` heads of qkv [tokens, heads, head_dim] (the query and key heads,
+    adjacent in the projection) rotated by cos and sin [tokens, 1, head_dim]. The kernel
+    rotates them in place and returns a view of qkv; the portable path returns a new tensor
+    and leaves qkv as it is."""
     tokens, heads, dim = qkv.shape
     cos2, sin2 = cos.reshape(tokens, dim), sin.reshape(tokens, dim)
     lib = _kernels(qkv, cos2, sin2) if dim % 2 == 0 else None
     if lib is None:
-        qkv[:, :rotated] = apply_rotary(qkv[:, :rotated], cos, sin)
-        return
+        return apply_rotary(qkv[:, :rotated], cos, sin)
     lib.brook_rotary(
         qkv.data_ptr(), cos2.data_ptr(), sin2.data_ptr(), tokens, heads, rotated, dim,
         _KINDS[qkv.dtype], torch.get_num_threads(),
     )  # fmt: skip
+    return qkv[:, :rotated]
 
 
 _bf16_support: tuple[ctypes.CDLL | None, bool] | None = None
@@ -117,17 +119,15 @@ def one_row_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """``F.linear(x, weight, bias)`` for one BF16 row x [1, in] and a plain BF16 weight
     [out, in], by the C kernel where it runs (else by ``F.linear``)."""
     operands = (x, weight) if bias is None else (x, weight, bias)
-    usable = (
+    shaped = (
         x.dtype == torch.bfloat16
         and x.shape[0] == 1
         and weight.dim() == 2
         and x.shape[-1] == weight.shape[1]
         and (bias is None or bias.shape == (weight.shape[0],))
-        and _kernels(*operands) is not None
-        and one_row_bf16_supported()
     )
-    lib = cpu_kernels.library()
-    if not usable or lib is None:
+    lib = _kernels(*operands) if shaped else None
+    if lib is None or not one_row_bf16_supported():
         return F.linear(x, weight, bias)
     out_features, in_features = weight.shape
     out = torch.empty((1, out_features), dtype=torch.bfloat16)

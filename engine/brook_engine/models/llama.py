@@ -80,8 +80,8 @@ class Attention(nn.Module):
         heads = self.num_heads + 2 * self.num_kv_heads
         qkv = self.qkv_proj(x).view(tokens, heads, self.head_dim)
         rotated = self.num_heads + self.num_kv_heads  # q and k heads are adjacent
-        cpu_fused.rotary_(qkv, *rotary, rotated)  # in place: qkv is this call's own tensor
-        return qkv[:, : self.num_heads], qkv[:, self.num_heads : rotated], qkv[:, rotated:]
+        qk = cpu_fused.rotary(qkv, *rotary, rotated)  # on CPU in place: qkv is ours alone
+        return qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, rotated:]
 
 
 class MLP(nn.Module):

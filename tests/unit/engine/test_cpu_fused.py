@@ -82,7 +82,8 @@ def test_rotary_in_place_matches_apply_rotary(dtype: torch.dtype, tokens: int) -
     rotated = heads + kv_heads
     expected = qkv.clone()
     expected[:, :rotated] = apply_rotary(qkv[:, :rotated], cos, sin)
-    cpu_fused.rotary_(qkv, cos, sin, rotated)
+    got = cpu_fused.rotary(qkv, cos, sin, rotated)
+    assert got.data_ptr() == qkv.data_ptr() and got.shape == (tokens, rotated, dim)  # in place
     _close(qkv, expected)
     assert torch.equal(qkv[:, rotated:], expected[:, rotated:])  # values are left alone
 
@@ -98,6 +99,12 @@ def test_without_the_kernels_the_portable_sequences_run(monkeypatch: pytest.Monk
     gate_up = torch.randn(2, 8)
     assert torch.equal(cpu_fused.silu_mul(gate_up), F.silu(gate_up[:, :4]) * gate_up[:, 4:])
     assert not cpu_fused.one_row_bf16_supported()
+    qkv = torch.randn(3, 4, 8)
+    cos, sin = torch.rand(3, 1, 8), torch.rand(3, 1, 8)
+    before = qkv.clone()
+    got = cpu_fused.rotary(qkv, cos, sin, 3)
+    assert torch.equal(got, apply_rotary(before[:, :3], cos, sin))
+    assert torch.equal(qkv, before)  # the portable path makes a new tensor, no copy back
     row, weight = torch.randn(1, 16).bfloat16(), torch.randn(4, 16).bfloat16()
     assert torch.equal(cpu_fused.one_row_bf16(row, weight, None), F.linear(row, weight))
 

@@ -15,7 +15,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "fast_exp.h"
+#include "kernel_math.h"
 
 #pragma GCC optimize("fp-contract=off")
 
@@ -27,31 +27,13 @@ enum { F32 = 0, BF16 = 1, F16 = 2 };
 
 static inline float load(const void *base, int64_t i, int kind) {
   if (kind == F32) return ((const float *)base)[i];
-  if (kind == BF16) {
-    uint32_t bits = (uint32_t)((const uint16_t *)base)[i] << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-  }
+  if (kind == BF16) return bf16_to_float(((const uint16_t *)base)[i]);
   return (float)((const _Float16 *)base)[i];
-}
-
-/* float32 -> bfloat16 bits, rounding to nearest even as PyTorch does (NaN kept NaN). */
-static inline uint16_t to_bf16(float f) {
-  uint32_t bits;
-  memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return (uint16_t)(bits >> 16);
 }
 
 /* f rounded to the storage type (what PyTorch's result in that type holds). */
 static inline float round_to(float f, int kind) {
-  if (kind == BF16) {
-    uint32_t bits = (uint32_t)to_bf16(f) << 16;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-  }
+  if (kind == BF16) return bf16_to_float(float_to_bf16(f));
   if (kind == F16) return (float)(_Float16)f;
   return f;
 }
@@ -60,7 +42,7 @@ static inline void store(void *base, int64_t i, float f, int kind) {
   if (kind == F32)
     ((float *)base)[i] = f;
   else if (kind == BF16)
-    ((uint16_t *)base)[i] = to_bf16(f);
+    ((uint16_t *)base)[i] = float_to_bf16(f);
   else
     ((_Float16 *)base)[i] = (_Float16)f;
 }

@@ -14,23 +14,10 @@
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 
+#include "kernel_math.h"
+
 #define ROWS 8 /* weight rows per pass: eight streams keep the prefetchers busy */
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512bf16"), noinline))
-
-static inline uint16_t round_bf16(float f) {
-  uint32_t bits;
-  memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return (uint16_t)(bits >> 16);
-}
-
-static inline float bf16_value(uint16_t h) {
-  const uint32_t bits = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &bits, sizeof f);
-  return f;
-}
 
 /* Rows [first, last) of the output. */
 TARGET static void dot_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
@@ -60,8 +47,8 @@ TARGET static void dot_rows(const uint16_t *x, const uint16_t *w, const uint16_t
     }
     for (int j = 0; j < ROWS; j++) {
       float sum = _mm512_reduce_add_ps(acc[j]);
-      if (bias != NULL) sum += bf16_value(bias[r + j]);
-      out[r + j] = round_bf16(sum);
+      if (bias != NULL) sum += bf16_to_float(bias[r + j]);
+      out[r + j] = float_to_bf16(sum);
     }
   }
   for (; r < last; r++) {
@@ -76,8 +63,8 @@ TARGET static void dot_rows(const uint16_t *x, const uint16_t *w, const uint16_t
       acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(tail, row + full), xv);
     }
     float sum = _mm512_reduce_add_ps(acc);
-    if (bias != NULL) sum += bf16_value(bias[r]);
-    out[r] = round_bf16(sum);
+    if (bias != NULL) sum += bf16_to_float(bias[r]);
+    out[r] = float_to_bf16(sum);
   }
 }
 

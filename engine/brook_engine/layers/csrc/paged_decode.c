@@ -19,7 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "fast_exp.h"
+#include "kernel_math.h"
 #if defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -39,12 +39,7 @@ static void to_float(const void *base, int64_t at, int64_t n, int kind, const fl
   case KIND_BF16: {
     const uint16_t *src = (const uint16_t *)base + at;
 #pragma omp simd
-    for (int64_t i = 0; i < n; i++) {
-      uint32_t bits = (uint32_t)src[i] << 16;
-      float f;
-      memcpy(&f, &bits, sizeof f);
-      dst[i] = f;
-    }
+    for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_float(src[i]);
     break;
   }
   case KIND_F16: {

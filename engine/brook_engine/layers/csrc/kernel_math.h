@@ -1,0 +1,47 @@
+/* Small numeric pieces the CPU kernels of this folder share: BF16 conversions and an exp
+ * written out so that loops over it vectorize, which a libm call does not. Part of the
+ * kernels' build key (brook_engine/layers/cpu_kernels.py). */
+#ifndef BROOK_KERNEL_MATH_H
+#define BROOK_KERNEL_MATH_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* bfloat16 bits -> float32 (exact). */
+static inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+/* float32 -> bfloat16 bits, rounding to nearest even as PyTorch does (NaN kept NaN). */
+static inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return (uint16_t)(bits >> 16);
+}
+
+/* exp(x) for x in [-87, 88]: x = k ln2 + r with |r| <= ln2/2, exp(r) by its Taylor
+ * polynomial to degree 7 (relative error below 1e-7), 2^k built in the exponent bits. */
+static inline float exp_in_range(float x) {
+  const float k = floorf(x * 1.44269504f + 0.5f);
+  const float r = (x - k * 0.693145752f) - k * 1.42860677e-6f;
+  float p = 1.98412698e-4f;
+  p = p * r + 1.38888889e-3f;
+  p = p * r + 8.33333333e-3f;
+  p = p * r + 4.16666667e-2f;
+  p = p * r + 1.66666667e-1f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = ((int32_t)k + 127) << 23;
+  float two_k;
+  memcpy(&two_k, &bits, sizeof two_k);
+  return p * two_k;
+}
+
+#endif
