@@ -130,8 +130,17 @@ def _cmd_autoscale_simulate(args: argparse.Namespace) -> int:
         profile = sim.load_profile(args.profile)
         spec = sim.load_spec(Path(args.policy), profile) if args.policy else None
         names = [n.strip() for n in args.policies.split(",") if n.strip()]
+        if not args.oracle_headroom > 0:
+            raise sim.SimulationError(
+                f"--oracle-headroom {args.oracle_headroom:g}: use a positive multiple, e.g. 1.5"
+            )
         comparison = sim.compare(
-            requests, profile, spec or sim.default_spec(profile), names, args.slo_ttft
+            requests,
+            profile,
+            spec or sim.default_spec(profile),
+            names,
+            args.slo_ttft,
+            args.oracle_headroom,
         )
         if args.plot:
             title = f"{args.trace} on {profile.name}" + (
@@ -170,6 +179,8 @@ def _cmd_autoscale_simulate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from brook_operator.autoscaler.simulate.baselines import POLICIES
+
     parser = argparse.ArgumentParser(
         prog="brook", description="Brook: LLM inference on Kubernetes NPU clusters."
     )
@@ -252,8 +263,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     simulate.add_argument(
         "--policies",
-        default="brook,no-overlap,kv-only,queue-only,static-peak,static-mean",
-        help="comma list of policies to run (default: all six)",
+        default=",".join(POLICIES),
+        help=f"comma list of policies to run (default: all of {', '.join(POLICIES)})",
+    )
+    simulate.add_argument(
+        "--oracle-headroom",
+        type=float,
+        default=1.0,
+        help="size the oracles' fleets at this multiple of the demand (default 1)",
     )
     simulate.add_argument(
         "--slo-ttft", type=float, help="TTFT SLO in seconds (default: the profile's)"

@@ -34,6 +34,7 @@ from brook_operator.autoscaler.simulate import (
     write_trace,
 )
 from brook_operator.autoscaler.simulate.baselines import attainment, autoscaled
+from brook_operator.autoscaler.simulate.oracle import Oracle, oracle
 from brook_operator.autoscaler.simulate.profile import StepSeconds
 from brook_operator.autoscaler.simulate.replica import Outcome
 from brook_operator.autoscaler.simulate.report import reversals, summary
@@ -277,12 +278,86 @@ def test_compare_scores_every_policy_against_static_peak() -> None:
         "queue-only",
         "static-peak",
         "static-mean",
+        "oracle-reactive",
+        "oracle-clairvoyant",
     }
     peak = out.rows["static-peak"]
     assert peak["replica_hours_vs_static_peak"] == 1.0
     assert peak["slo_attainment"] >= 0.99
     assert out.rows["static-mean"]["replicas"] <= peak["replicas"]
     for row in out.rows.values():
+        assert row["completed"] == row["requests"] == len(requests)
+
+
+# -- oracles -------------------------------------------------------------------------------
+
+
+def _oracle(name: str, requests: list[Request], **changes: Any) -> Oracle:
+    fields: dict[str, Any] = {
+        "tokens_per_replica": 100.0,
+        "cold_start_seconds": 30.0,
+        "headroom": 1.0,
+        "min_replicas": 1,
+        "max_replicas": 8,
+    }
+    fields.update(changes)
+    return oracle(name, requests, **fields)
+
+
+def test_oracles_size_from_the_true_demand_of_their_windows() -> None:
+    # 1 request/s of 100 tokens until t=120, then 5/s: 100 tok/s, then 500 tok/s.
+    requests = [Request(t * 1.0, 80, 20) for t in range(120)]
+    requests += [Request(120 + i * 0.2, 80, 20) for i in range(600)]
+    reactive = _oracle("oracle-reactive", requests)
+    clairvoyant = _oracle("oracle-clairvoyant", requests)
+    assert reactive.demand(0, 60) == pytest.approx(100.0)
+    assert reactive.demand(120, 180) == pytest.approx(500.0)
+    assert reactive.demand(50, 50) == 0.0
+    # Reactive: the last minute; before a full minute, the opening one.
+    assert reactive.size(15)[0] == 1
+    assert reactive.size(119)[0] == 1
+    assert reactive.size(180)[0] == 5
+    assert reactive.size(150)[0] == 3  # half a minute of each rate: 300 tok/s
+    # Clairvoyant: also the minute that starts one cold start (30 s) ahead.
+    assert clairvoyant.size(90)[0] == 5
+    assert "in 30s" in clairvoyant.size(90)[1]
+    assert clairvoyant.size(30)[0] == 1  # [60, 120) ahead: still 100 tok/s
+    # Headroom multiplies; the bounds clip.
+    assert _oracle("oracle-reactive", requests, headroom=1.5).size(180)[0] == 8
+    assert _oracle("oracle-reactive", requests, max_replicas=4).size(180)[0] == 4
+    assert _oracle("oracle-reactive", requests, min_replicas=2).size(30)[0] == 2
+
+
+def test_oracle_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="not an oracle"):
+        _oracle("brook", [Request(0.0, 10, 10)])
+    with pytest.raises(ValueError, match="positive"):
+        _oracle("oracle-reactive", [Request(0.0, 10, 10)], headroom=0.0)
+    with pytest.raises(ValueError, match="exactly one"):
+        Autoscaled(None, 15)
+    with pytest.raises(ValueError, match="exactly one"):
+        Autoscaled(Policy.from_spec(_spec()), 15, _oracle("oracle-reactive", [Request(0.0, 1, 1)]))
+
+
+def test_foresight_serves_a_step_that_a_perfect_reactive_scaler_misses() -> None:
+    # A 4x step with a cold start far longer than the SLO: the reactive oracle measures the
+    # step exactly, one decision late, and its new replicas serve a cold start later; the
+    # clairvoyant one has them ready when the step comes.
+    profile = _profile(cold_start_seconds=60)
+    requests = _trace((3.0, 0, 300), (12.0, 300, 600), (3.0, 600, 900))
+    out = compare(
+        requests, profile, _spec(), ["oracle-reactive", "oracle-clairvoyant"], slo_seconds=1.0
+    )
+    reactive, clairvoyant = out.rows["oracle-reactive"], out.rows["oracle-clairvoyant"]
+    assert reactive["headroom"] == clairvoyant["headroom"] == 1.0
+    assert clairvoyant["slo_attainment"] >= 0.99
+    assert reactive["slo_attainment"] < clairvoyant["slo_attainment"] - 0.02
+    reactive_run = out.results["oracle-reactive"]
+    missed_at = [a for a, t in zip(reactive_run.arrivals, reactive_run.ttft, strict=True) if t > 1]
+    assert missed_at and all(300 <= a < 600 for a in missed_at)  # the step's, only
+    # It sized for the step exactly, one decision after it began.
+    assert reactive_run.scale_events[0][0] == 325.0
+    for row in (reactive, clairvoyant):
         assert row["completed"] == row["requests"] == len(requests)
 
 
@@ -330,6 +405,10 @@ def test_cli_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert out["policies"]["brook"]["completed"] == out["policies"]["brook"]["requests"]
     assert main([*args, "--policies", "static-mean", "--slo-ttft", "2"]) == 0
     assert "static-mean" in capsys.readouterr().out
+    assert main([*args, "--json", "--policies", "oracle-reactive", "--oracle-headroom", "1.5"]) == 0
+    assert json.loads(capsys.readouterr().out)["policies"]["oracle-reactive"]["headroom"] == 1.5
+    assert main([*args, "--policies", "oracle-reactive", "--oracle-headroom", "0"]) == 2
+    assert "--oracle-headroom 0: use a positive multiple" in capsys.readouterr().err
 
 
 def test_cli_bad_policy_file_exits_2_naming_the_field(

@@ -9,6 +9,9 @@
   this very trace, found by bisection: the strongest static baseline (it knows the future).
 - ``static-mean``: fixed at ``ceil(static-peak × mean demand / peak demand)``, demand being
   input + output tokens per second over 5-minute windows: sized for the average.
+- ``oracle-reactive`` / ``oracle-clairvoyant``: bounds, not policies (``oracle``): the fleet
+  sized from the trace's true demand of the last minute, or also of the minute one cold start
+  ahead, with no damping at all.
 
 Every autoscaled fleet starts warm at the size the static-peak fleet scaled to the first
 window's demand, as if the autoscaler had been following the load before the trace began.
@@ -22,11 +25,20 @@ from dataclasses import dataclass
 
 from brook_operator.api.autoscaling import AutoscalingSpec
 from brook_operator.autoscaler.policy import Policy
+from brook_operator.autoscaler.simulate.oracle import ORACLES
 from brook_operator.autoscaler.simulate.profile import Profile
 from brook_operator.autoscaler.simulate.run import Autoscaled, RunResult, simulate
 from brook_operator.autoscaler.simulate.trace import Request
 
-POLICIES = ("brook", "no-overlap", "kv-only", "queue-only", "static-peak", "static-mean")
+POLICIES = (
+    "brook",
+    "no-overlap",
+    "kv-only",
+    "queue-only",
+    "static-peak",
+    "static-mean",
+    *ORACLES,
+)
 SLO_QUANTILE = 0.99
 DEMAND_WINDOW_SECONDS = 300.0
 QUEUE_ONLY_INTERVAL_SECONDS = 30

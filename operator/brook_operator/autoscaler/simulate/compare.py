@@ -15,9 +15,10 @@ from pydantic import ValidationError
 from brook_operator.api.autoscaling import AutoscalingSpec
 from brook_operator.autoscaler.simulate import baselines
 from brook_operator.autoscaler.simulate.errors import SimulationError
+from brook_operator.autoscaler.simulate.oracle import ORACLES, oracle
 from brook_operator.autoscaler.simulate.profile import Profile
 from brook_operator.autoscaler.simulate.report import summary
-from brook_operator.autoscaler.simulate.run import RunResult, simulate
+from brook_operator.autoscaler.simulate.run import Autoscaled, RunResult, simulate
 from brook_operator.autoscaler.simulate.trace import Request
 
 
@@ -65,6 +66,7 @@ def compare(
     spec: AutoscalingSpec,
     names: Sequence[str] = baselines.POLICIES,
     slo_seconds: float | None = None,
+    oracle_headroom: float = 1.0,
 ) -> Comparison:
     unknown = [n for n in names if n not in baselines.POLICIES]
     if unknown:
@@ -90,6 +92,20 @@ def compare(
             mean = baselines.scaled_to_demand(peak.replicas, sum(demand) / len(demand), top)
             result = simulate(requests, profile, mean, None, slo)
             extra = {"replicas": mean}
+        elif name in ORACLES:
+            bound = oracle(
+                name,
+                requests,
+                tokens_per_replica=top / peak.replicas,
+                cold_start_seconds=profile.cold_start_seconds,
+                headroom=oracle_headroom,
+                min_replicas=spec.min_replicas,
+                max_replicas=spec.max_replicas,
+            )
+            result = simulate(
+                requests, profile, initial, Autoscaled(None, spec.interval_seconds, bound), slo
+            )
+            extra = {"initial_replicas": initial, "headroom": oracle_headroom}
         else:
             result = simulate(
                 requests,

@@ -64,7 +64,7 @@ def _rounded(value: float | None) -> float | None:
 
 
 _COLUMNS = (
-    ("policy", "{}", 12),
+    ("policy", "{}", 18),
     ("slo_attainment", "{:.4f}", 8),
     ("ttft_p50_s", "{:.2f}", 7),
     ("ttft_p99_s", "{:.2f}", 7),

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from brook_operator.autoscaler.policy import Policy, Recommendation, ReplicaSignals, decide
 from brook_operator.autoscaler.simulate.errors import SimulationError
+from brook_operator.autoscaler.simulate.oracle import Oracle
 from brook_operator.autoscaler.simulate.profile import Profile
 from brook_operator.autoscaler.simulate.replica import Job, Outcome, Replica
 from brook_operator.autoscaler.simulate.trace import Request
@@ -33,10 +34,16 @@ MAX_TAIL_SECONDS = 6 * 3600.0
 
 @dataclass(frozen=True)
 class Autoscaled:
-    """A fleet ``policy`` resizes every ``interval_seconds``."""
+    """A fleet ``policy`` (or, for the bounds, an ``oracle``) resizes every
+    ``interval_seconds``."""
 
-    policy: Policy
+    policy: Policy | None
     interval_seconds: float
+    oracle: Oracle | None = None
+
+    def __post_init__(self) -> None:
+        if (self.policy is None) == (self.oracle is None):
+            raise ValueError("an autoscaled fleet needs exactly one of a policy and an oracle")
 
 
 @dataclass
@@ -175,7 +182,7 @@ def simulate(
         now = tick * TICK_SECONDS
         if autoscaled and now >= next_decision - 1e-9:
             next_decision += autoscaled.interval_seconds
-            _scale(fleet, autoscaled.policy, history, now, result)
+            _scale(fleet, autoscaled, history, now, result)
         while next_job < len(jobs) and jobs[next_job].arrival <= now:
             gateway.append(jobs[next_job])
             next_job += 1
@@ -216,20 +223,29 @@ def _route(fleet: _Fleet, gateway: deque[Job], now: float) -> None:
 
 def _scale(
     fleet: _Fleet,
-    policy: Policy,
+    autoscaled: Autoscaled,
     history: list[Recommendation],
     now: float,
     result: RunResult,
 ) -> None:
     active = fleet.active()
-    decision = decide(signals_of(active, now), len(active), policy, history, now)
-    result.decisions.append(
-        (now, decision.current, decision.desired, decision.limited_by, decision.reason)
-    )
-    history.append(decision.recommendation_at(now))
-    while history and now - history[0].time > policy.longest_window:
-        history.pop(0)
-    change = decision.desired - len(active)
+    if autoscaled.oracle is not None:
+        desired, why = autoscaled.oracle.size(now)
+        result.decisions.append(
+            (now, len(active), desired, None, f"{autoscaled.oracle.name}: {why}")
+        )
+    else:
+        policy = autoscaled.policy
+        assert policy is not None  # Autoscaled holds one of the two
+        decision = decide(signals_of(active, now), len(active), policy, history, now)
+        result.decisions.append(
+            (now, decision.current, decision.desired, decision.limited_by, decision.reason)
+        )
+        history.append(decision.recommendation_at(now))
+        while history and now - history[0].time > policy.longest_window:
+            history.pop(0)
+        desired = decision.desired
+    change = desired - len(active)
     if not change:
         return
     if change > 0:
@@ -237,6 +253,6 @@ def _scale(
             fleet.add(now)
     else:
         fleet.drain(-change, now)
-    result.scale_events.append((now, len(active), decision.desired))
+    result.scale_events.append((now, len(active), desired))
     fleet.remove_drained(now)
     result.timeline.append((now, len(fleet.replicas)))
