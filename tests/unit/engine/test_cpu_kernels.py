@@ -74,7 +74,9 @@ def _portable(
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(
     ("kv_heads", "heads", "dim", "block_size"),
-    [(2, 6, 64, 16), (4, 4, 128, 8), (1, 3, 24, 4)],  # GQA, MHA (head 128), MQA, odd head
+    # GQA, MHA (head 128), MQA with an odd head, and MQA with 16 query heads over blocks
+    # larger than the kernel's pass of keys (split within a block)
+    [(2, 6, 64, 16), (4, 4, 128, 8), (1, 3, 24, 4), (1, 16, 64, 80)],
 )
 def test_the_decode_kernel_matches_the_portable_path(
     kind: KVDType, kv_heads: int, heads: int, dim: int, block_size: int, fresh_kernel: None
@@ -91,6 +93,30 @@ def test_the_decode_kernel_matches_the_portable_path(
         # Both sum in float32, in different orders; INT8 queries carry the scales (~100x).
         tolerance = 1e-3 if kind == "int8" else 1e-5
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=tolerance)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the kernel cannot build")
+@pytest.mark.parametrize("rising", [True, False])
+def test_the_running_softmax_holds_when_the_largest_score_moves(
+    rising: bool, fresh_kernel: None
+) -> None:
+    # Scores that grow (or shrink) by ~40 per block: the running maximum moves at every
+    # block (or never), so earlier sums are rescaled by factors down to exp(-87) and below.
+    kv_heads, heads, dim, block_size = 1, 2, 64, 16
+    cache = _cache("auto", torch.float32, kv_heads, heads, dim, block_size)
+    slots = cache.k.shape[1]
+    ramp = torch.arange(slots, dtype=torch.float32) / block_size * 40.0  # the scores
+    ramp = ramp if rising else ramp.flip(0)
+    keys = torch.ones(kv_heads, slots, dim) * ramp[None, :, None] / dim**0.5
+    cache.write(torch.arange(slots), keys.transpose(0, 1), cache.v.transpose(0, 1).clone())
+    tables = torch.arange(12)[None, :]
+    lens = torch.tensor([12 * block_size - 5])
+    q = cache.query(torch.ones(1, heads, dim))
+    got = cpu_decode.decode_attention(q, cache, tables, lens, dim**-0.5, None)
+    assert got is not None
+    expected = _portable(q, cache, tables, lens, dim**-0.5, None)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    assert torch.isfinite(got).all()
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the kernel cannot build")

@@ -71,35 +71,65 @@ static const int64_t ITEM_BYTES[] = {4, 2, 2, 1, 1};
  * anywhere in the cache, so the hardware prefetcher cannot guess the next one. */
 static inline void prefetch_rows(const void *base, int64_t at, int64_t bytes, int kind) {
   const char *p = (const char *)base + at * ITEM_BYTES[kind];
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 1);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
 }
 
-/* One sequence against one KV head: its `group` query heads' outputs. `dim` is a constant
- * where the caller passes one (64, 128), so the loops over it unroll and vectorize fully. */
+/* Keys handled per pass (a larger cache block takes several): bounds the scratch. */
+enum { CHUNK = 32 };
+
+/* One sequence against one KV head: its `group` query heads' outputs, in one pass over the
+ * context with a running softmax (flash-decoding style): each chunk of keys is scored, the
+ * running maximum moves, earlier sums are rescaled, and the chunk's values are added while
+ * its keys are still in cache. Keys and values are read once, block by block, the next
+ * block's rows prefetched. `dim` is a constant where the caller passes one (64, 128), so the
+ * loops over it unroll and vectorize fully. */
 static inline __attribute__((always_inline)) int attend(
     const float *qs, const void *k, const void *v, const float *k_scale, const float *v_scale,
     const int64_t *table, int64_t len, float *out, int64_t group, const int64_t dim,
     int64_t head_base, int64_t block_size, int64_t window, int kind, const float *lut,
     float scale) {
   const int64_t first = (window > 0 && len > window) ? len - window : 0;
-  const int64_t ctx = len - first;
-  /* scores [group, ctx], one block of rows as float32, the output accumulators */
-  float *scores = malloc(sizeof(float) * (size_t)(group * ctx + block_size * dim + group * dim));
-  if (scores == NULL) return -1;
-  float *rows = scores + group * ctx;
-  float *acc = rows + block_size * dim;
+  const int64_t rows_floats = kind == KIND_F32 ? 0 : 2 * CHUNK * dim;
+  /* acc [group, dim], scores [group, CHUNK], the running max and sum per query head, and
+   * (for stored types other than float32) a chunk of keys and of values as float32 */
+  float *acc = malloc(sizeof(float) * (size_t)(group * dim + group * CHUNK + 2 * group +
+                                               rows_floats));
+  if (acc == NULL) return -1;
+  float *scores = acc + group * dim;
+  float *run_max = scores + group * CHUNK;
+  float *run_sum = run_max + group;
+  float *rows_k = run_sum + group;
+  float *rows_v = rows_k + CHUNK * dim;
+  memset(acc, 0, sizeof(float) * (size_t)(group * dim));
+  for (int64_t g = 0; g < group; g++) {
+    run_max[g] = -INFINITY;
+    run_sum[g] = 0.0f;
+  }
+  const int64_t block_bytes = block_size * dim * ITEM_BYTES[kind];
 
   for (int64_t t = first; t < len;) {
     const int64_t block = t / block_size, offset = t % block_size;
-    const int64_t n = (block + 1) * block_size < len ? block_size - offset : len - t;
+    int64_t n = (block + 1) * block_size < len ? block_size - offset : len - t;
+    if (n > CHUNK) n = CHUNK;
     const int64_t slot = table[block] * block_size + offset;
-    if (t + n < len)
-      prefetch_rows(k, (head_base + table[block + 1] * block_size) * dim,
-                    block_size * dim * ITEM_BYTES[kind], kind);
-    const float *keys = kind == KIND_F32 ? (const float *)k + (head_base + slot) * dim : rows;
-    if (kind != KIND_F32) to_float(k, (head_base + slot) * dim, n * dim, kind, lut, rows);
+    if (offset == 0 || t == first) {
+      const int64_t next = block + 1;
+      if (next * block_size < len) {
+        const int64_t at = (head_base + table[next] * block_size) * dim;
+        prefetch_rows(k, at, block_bytes, kind);
+        prefetch_rows(v, at, block_bytes, kind);
+      }
+    }
+    const int64_t at = (head_base + slot) * dim;
+    const float *keys = kind == KIND_F32 ? (const float *)k + at : rows_k;
+    const float *values = kind == KIND_F32 ? (const float *)v + at : rows_v;
+    if (kind != KIND_F32) {
+      to_float(k, at, n * dim, kind, lut, rows_k);
+      to_float(v, at, n * dim, kind, lut, rows_v);
+    }
     const float *kscale = k_scale ? k_scale + head_base + slot : NULL;
-    float *col = scores + (t - first);
+    const float *vscale = v_scale ? v_scale + head_base + slot : NULL;
+
     int64_t i = 0;
     /* Four keys at a time: four independent sums per query head keep the FMA units busy
      * (one sum is a chain of dependent adds). */
@@ -116,7 +146,7 @@ static inline __attribute__((always_inline)) int attend(
           d2 += x * r2[d];
           d3 += x * r3[d];
         }
-        float *sg = col + g * ctx + i;
+        float *sg = scores + g * CHUNK + i;
         sg[0] = d0;
         sg[1] = d1;
         sg[2] = d2;
@@ -130,47 +160,41 @@ static inline __attribute__((always_inline)) int attend(
         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < dim; d++) dot += qg[d] * row[d];
-        col[g * ctx + i] = dot;
+        scores[g * CHUNK + i] = dot;
       }
     }
+
     for (int64_t g = 0; g < group; g++) {
-      float *sg = col + g * ctx;
-      for (int64_t j = 0; j < n; j++) sg[j] *= kscale ? kscale[j] * scale : scale;
-    }
-    t += n;
-  }
-
-  for (int64_t g = 0; g < group; g++) {
-    float *sg = scores + g * ctx;
-    float peak = sg[0];
+      float *sg = scores + g * CHUNK;
+      float peak = run_max[g];
 #pragma omp simd reduction(max : peak)
-    for (int64_t i = 1; i < ctx; i++) peak = sg[i] > peak ? sg[i] : peak;
-    float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t i = 0; i < ctx; i++) {
-      sg[i] = exp_nonpositive(sg[i] - peak);
-      total += sg[i];
-    }
-    const float inv = 1.0f / total;
+      for (int64_t j = 0; j < n; j++) {
+        sg[j] *= kscale ? kscale[j] * scale : scale;
+        peak = sg[j] > peak ? sg[j] : peak;
+      }
+      /* The running maximum moved: what was summed so far shrinks by exp(old - new). */
+      if (peak > run_max[g]) {
+        const float shrink = exp_nonpositive(run_max[g] - peak);
+        float *ag = acc + g * dim;
 #pragma omp simd
-    for (int64_t i = 0; i < ctx; i++) sg[i] *= inv;
-  }
+        for (int64_t d = 0; d < dim; d++) ag[d] *= shrink;
+        run_sum[g] *= shrink;
+        run_max[g] = peak;
+      }
+      float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+      for (int64_t j = 0; j < n; j++) {
+        sg[j] = exp_nonpositive(sg[j] - peak);
+        total += sg[j];
+      }
+      run_sum[g] += total;
+    }
 
-  memset(acc, 0, sizeof(float) * (size_t)(group * dim));
-  for (int64_t t = first; t < len;) {
-    const int64_t block = t / block_size, offset = t % block_size;
-    const int64_t n = (block + 1) * block_size < len ? block_size - offset : len - t;
-    const int64_t slot = table[block] * block_size + offset;
-    if (t + n < len)
-      prefetch_rows(v, (head_base + table[block + 1] * block_size) * dim,
-                    block_size * dim * ITEM_BYTES[kind], kind);
-    const float *values = kind == KIND_F32 ? (const float *)v + (head_base + slot) * dim : rows;
-    if (kind != KIND_F32) to_float(v, (head_base + slot) * dim, n * dim, kind, lut, rows);
-    for (int64_t i = 0; i < n; i++) {
-      const float *row = values + i * dim;
-      const float token_scale = v_scale ? v_scale[head_base + slot + i] : 1.0f;
+    for (int64_t j = 0; j < n; j++) {
+      const float *row = values + j * dim;
+      const float token_scale = vscale ? vscale[j] : 1.0f;
       for (int64_t g = 0; g < group; g++) {
-        const float p = scores[g * ctx + (t - first) + i] * token_scale;
+        const float p = scores[g * CHUNK + j] * token_scale;
         float *ag = acc + g * dim;
 #pragma omp simd
         for (int64_t d = 0; d < dim; d++) ag[d] += p * row[d];
@@ -178,8 +202,13 @@ static inline __attribute__((always_inline)) int attend(
     }
     t += n;
   }
-  memcpy(out, acc, sizeof(float) * (size_t)(group * dim));
-  free(scores);
+
+  for (int64_t g = 0; g < group; g++) {
+    const float inv = 1.0f / run_sum[g];
+#pragma omp simd
+    for (int64_t d = 0; d < dim; d++) out[g * dim + d] = acc[g * dim + d] * inv;
+  }
+  free(acc);
   return 0;
 }
 
