@@ -184,6 +184,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--compare", default="", help="peers to run too: hf, vllm (comma list)")
+    bench.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run Brook and the peers this many times, alternating, and report each engine's "
+        "median round (a shared host's speed drifts between runs)",
+    )
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
     bench.set_defaults(func=_cmd_bench)
 

@@ -42,6 +42,47 @@ def bench(args: argparse.Namespace, options: dict[str, Any]) -> int:
         return _bench_kv(args, options)
     if args.mode == "serve":
         return _bench_serving(args, options)
+    rounds = args.rounds
+    if rounds < 1:
+        print(f"error: --rounds {rounds}: use 1 or more", file=sys.stderr)
+        return 2
+    peers = [p.strip() for p in args.compare.split(",") if p.strip()]
+    runs: dict[str, list[BenchReport]] = {"brook": []}
+    failed: set[str] = set()
+    for index in range(rounds):
+        if rounds > 1 and not args.json:
+            print(f"round {index + 1} of {rounds}", file=sys.stderr)
+        report, workload = _brook_round(args, options)
+        runs["brook"].append(report)
+        if peers:
+            from brook_engine.bench.peers.setup_vllm import PeerError, ensure_vllm_venv, run_peer
+
+            spec = {
+                "model": str(Path(args.model).resolve()),
+                "dtype": report.extra["dtype"],
+                "threads": torch.get_num_threads(),
+                "prompts": workload.prompts,
+                "max_tokens": workload.max_tokens,
+                "ignore_eos": True,
+                "mode": args.mode,
+            }
+            for peer in peers:
+                if peer in failed:
+                    continue
+                try:
+                    python = ensure_vllm_venv() if peer == "vllm" else Path(sys.executable)
+                    peer_report = _peer_report(run_peer(peer, spec, python=python), args.mode)
+                    runs.setdefault(peer, []).append(peer_report)
+                except PeerError as exc:
+                    failed.add(peer)
+                    print(f"peer {peer} failed: {exc}", file=sys.stderr)
+    _print([median_round(r) for r in runs.values()], args.json)
+    return 1 if failed else 0
+
+
+def _brook_round(args: argparse.Namespace, options: dict[str, Any]) -> tuple[BenchReport, Workload]:
+    """One run of Brook's engine on the workload (the same prompts every round: seeded); the
+    engine is freed before the peers run."""
     config = engine_config_from_options(args.model, options)
     engine = LLMEngine(config, progress=not args.json)
     workload = random_workload_for(args, engine)
@@ -52,31 +93,17 @@ def bench(args: argparse.Namespace, options: dict[str, Any]) -> int:
     report.mfu = 2 * params * tokens / report.elapsed_s / gemm
     report.extra.update(gemm_gflops=gemm / 1e9, parameters=params, threads=torch.get_num_threads())
     report.extra["dtype"] = str(engine.runner.dtype).removeprefix("torch.")
-    reports = [report]
-    peers = [p.strip() for p in args.compare.split(",") if p.strip()]
-    failures = 0
-    if peers:
-        from brook_engine.bench.peers.setup_vllm import PeerError, ensure_vllm_venv, run_peer
+    return report, workload
 
-        del engine  # free its memory for the peers
-        spec = {
-            "model": str(Path(args.model).resolve()),
-            "dtype": report.extra["dtype"],
-            "threads": torch.get_num_threads(),
-            "prompts": workload.prompts,
-            "max_tokens": workload.max_tokens,
-            "ignore_eos": True,
-            "mode": args.mode,
-        }
-        for peer in peers:
-            try:
-                python = ensure_vllm_venv() if peer == "vllm" else Path(sys.executable)
-                reports.append(_peer_report(run_peer(peer, spec, python=python), args.mode))
-            except PeerError as exc:
-                failures += 1
-                print(f"peer {peer} failed: {exc}", file=sys.stderr)
-    _print(reports, args.json)
-    return 1 if failures else 0
+
+def median_round(reports: list[BenchReport]) -> BenchReport:
+    """The round with the median output tokens/s (the lower of the two middle ones for an
+    even count), its ``extra`` listing every round's figure: a shared host's speed drifts
+    between runs, and rounds that alternate the engines see the same drift."""
+    ordered = sorted(reports, key=lambda r: r.output_tok_s)
+    middle = ordered[(len(ordered) - 1) // 2]
+    middle.extra["rounds_output_tok_s"] = [round(r.output_tok_s, 2) for r in reports]
+    return middle
 
 
 def random_workload_for(args: argparse.Namespace, engine: LLMEngine) -> Workload:
@@ -188,6 +215,13 @@ def _print(reports: list[BenchReport], as_json: bool) -> None:
         cells = [_cell(getattr(r, name), fmt) for name, fmt in _COLUMNS]
         ratio = "" if r is brook else f"{brook.output_tok_s / r.output_tok_s:.2f}×"
         print(" | ".join(cells) + f" | {ratio}")
+    rounds = brook.extra.get("rounds_output_tok_s", [])
+    if len(rounds) > 1:
+        per_engine = "; ".join(
+            f"{r.engine} " + " / ".join(f"{x:.1f}" for x in r.extra["rounds_output_tok_s"])
+            for r in reports
+        )
+        print(f"\nmedian of {len(rounds)} rounds (output tok/s per round: {per_engine})", end="")
     print(
         f"\n{brook.requests} requests, {brook.prompt_tokens} prompt + {brook.output_tokens} "
         f"output tokens in {brook.elapsed_s:.1f} s; MFU {brook.mfu:.2f} "

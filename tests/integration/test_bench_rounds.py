@@ -1,0 +1,55 @@
+"""``brook-engine bench --rounds N``: Brook and a peer (transformers) run N times on the same
+prompts, alternating, and each engine is reported at its median round (tiny model, small
+counts: this checks the tool, not speed)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from brook_engine.bench.command import median_round
+from brook_engine.bench.run import BenchReport
+from brook_engine.cli import main
+
+
+def _report(engine: str, output_tok_s: float) -> BenchReport:
+    return BenchReport(engine, "batch", 1, 1, 1, 1.0, output_tok_s, output_tok_s, *[None] * 4, 0)
+
+
+def test_the_median_round_is_reported_with_every_round() -> None:
+    rounds = [_report("brook", x) for x in (30.0, 10.0, 20.0)]
+    middle = median_round(rounds)
+    assert middle.output_tok_s == 20.0
+    assert middle.extra["rounds_output_tok_s"] == [30.0, 10.0, 20.0]  # in run order
+    assert median_round([_report("hf", 4.0), _report("hf", 2.0)]).output_tok_s == 2.0
+    assert median_round([_report("hf", 5.0)]).extra["rounds_output_tok_s"] == [5.0]
+
+
+def test_rounds_alternate_brook_and_a_peer_on_the_same_prompts(
+    make_tiny_model: Callable[..., Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = str(make_tiny_model("llama"))
+    args = ["bench", "--model", model, "--dtype", "float32", "--num-requests", "3"]
+    args += ["--input-len", "8", "--output-len", "4", "--compare", "hf", "--json"]
+    assert main([*args, "--rounds", "3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    brook, (hf,) = out["brook"], out["peers"]
+    for row in (brook, hf):
+        rounds = row["extra"]["rounds_output_tok_s"]
+        assert len(rounds) == 3
+        assert round(row["output_tok_s"], 2) == sorted(rounds)[1]
+        assert row["requests"] == 3 and row["prompt_tokens"] == brook["prompt_tokens"]
+    assert out["ratios"]["hf"]["output_tok_s"] == pytest.approx(
+        brook["output_tok_s"] / hf["output_tok_s"]
+    )
+
+
+def test_rounds_below_one_are_refused(
+    make_tiny_model: Callable[..., Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = str(make_tiny_model("llama"))
+    assert main(["bench", "--model", model, "--rounds", "0"]) == 2
+    assert "--rounds 0: use 1 or more" in capsys.readouterr().err
