@@ -47,6 +47,8 @@ def bench(args: argparse.Namespace, options: dict[str, Any]) -> int:
         print(f"error: --rounds {rounds}: use 1 or more", file=sys.stderr)
         return 2
     peers = [p.strip() for p in args.compare.split(",") if p.strip()]
+    if peers:
+        from brook_engine.bench.peers.setup_vllm import PeerError, ensure_vllm_venv, run_peer
     runs: dict[str, list[BenchReport]] = {"brook": []}
     failed: set[str] = set()
     for index in range(rounds):
@@ -55,8 +57,6 @@ def bench(args: argparse.Namespace, options: dict[str, Any]) -> int:
         report, workload = _brook_round(args, options)
         runs["brook"].append(report)
         if peers:
-            from brook_engine.bench.peers.setup_vllm import PeerError, ensure_vllm_venv, run_peer
-
             spec = {
                 "model": str(Path(args.model).resolve()),
                 "dtype": report.extra["dtype"],

@@ -98,8 +98,8 @@ static inline __attribute__((always_inline)) int attend(
   float *scores = acc + group * dim;
   float *run_max = scores + group * CHUNK;
   float *run_sum = run_max + group;
-  float *rows_k = run_sum + group;
-  float *rows_v = rows_k + CHUNK * dim;
+  float *rows_k = rows_floats ? run_sum + group : NULL;
+  float *rows_v = rows_floats ? rows_k + CHUNK * dim : NULL;
   memset(acc, 0, sizeof(float) * (size_t)(group * dim));
   for (int64_t g = 0; g < group; g++) {
     run_max[g] = -INFINITY;

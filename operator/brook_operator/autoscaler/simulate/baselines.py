@@ -11,7 +11,7 @@
   input + output tokens per second over 5-minute windows: sized for the average.
 - ``oracle-reactive`` / ``oracle-clairvoyant``: bounds, not policies (``oracle``): the fleet
   sized from the trace's true demand of the last minute, or also of the minute one cold start
-  ahead, with no damping at all.
+  ahead, with no step limit or startup grace and a one-minute hold before scaling in.
 
 Every autoscaled fleet starts warm at the size the static-peak fleet scaled to the first
 window's demand, as if the autoscaler had been following the load before the trace began.
