@@ -29,6 +29,7 @@ from brook_engine.config.runtime import (
     ShapePattern,
     ShapesConfig,
 )
+from brook_engine.config.sections import EngineSections
 from brook_engine.config.server import ApiKeyConfig, ServerConfig, ServerOptions
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "DeviceKind",
     "DynamicPrecisionConfig",
     "EngineConfig",
+    "EngineSections",
     "KVCacheConfig",
     "KVDType",
     "LayerPolicy",

@@ -17,11 +17,8 @@ from pydantic import Field, ValidationError, model_validator
 
 from brook_engine.config.base import ConfigError, Section
 from brook_engine.config.errors import describe_errors
-from brook_engine.config.kv_cache import KVCacheConfig
 from brook_engine.config.model import ModelConfig
-from brook_engine.config.offload import OffloadConfig
-from brook_engine.config.parallel import ParallelConfig
-from brook_engine.config.runtime import MoEConfig, QuantizationConfig, SchedulerConfig, ShapesConfig
+from brook_engine.config.sections import EngineSections
 from brook_engine.config.server import ServerConfig
 
 DeviceKind = Literal["auto", "cpu", "cuda", "npu"]
@@ -39,8 +36,9 @@ class ModelFacts:
     intermediate_size: int = 0
 
 
-class EngineConfig(Section):
-    """Everything the engine needs to serve one model replica."""
+class _ModelAndDevice(Section):
+    """``EngineConfig``'s first fields: a base listed after ``EngineSections`` only so that
+    they come before the sections (pydantic lists inherited fields first)."""
 
     model: ModelConfig
     """The model to serve."""
@@ -49,26 +47,9 @@ class EngineConfig(Section):
     """Backend: npu (torch-npu, HCCL), cuda (NCCL), cpu (gloo); auto picks the first present
     in that order."""
 
-    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
-    """Tensor and pipeline parallelism."""
 
-    offload: OffloadConfig = Field(default_factory=OffloadConfig)
-    """Weight offload to host memory."""
-
-    kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig)
-    """The paged KV cache."""
-
-    quantization: QuantizationConfig = Field(default_factory=QuantizationConfig)
-    """Weight quantization."""
-
-    shapes: ShapesConfig = Field(default_factory=ShapesConfig)
-    """Shape buckets and compiled kernels."""
-
-    moe: MoEConfig = Field(default_factory=MoEConfig)
-    """Mixture-of-experts routing."""
-
-    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
-    """Continuous batching."""
+class EngineConfig(EngineSections, _ModelAndDevice):
+    """Everything the engine needs to serve one model replica."""
 
     server: ServerConfig = Field(default_factory=ServerConfig)
     """The HTTP server."""

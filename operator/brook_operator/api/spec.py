@@ -11,17 +11,11 @@ from brook_engine.config import (
     MODEL_URI_SCHEMES,
     ApiKeyConfig,
     EngineConfig,
-    KVCacheConfig,
+    EngineSections,
     ModelConfig,
-    MoEConfig,
-    OffloadConfig,
-    ParallelConfig,
-    QuantizationConfig,
-    SchedulerConfig,
     Section,
     ServerConfig,
     ServerOptions,
-    ShapesConfig,
 )
 from brook_operator.api.autoscaling import AutoscalingSpec
 from brook_operator.api.kube import ResourcesSpec, RolloutSpec, SchedulingSpec, SecretKeyRef
@@ -94,8 +88,9 @@ class AcceleratorSpec(Section):
         return DEFAULT_RESOURCE_NAMES[self.type]
 
 
-class LLMInferenceSpec(Section):
-    """Desired state of an LLMInference: a model served by replicas of the Brook engine."""
+class _SpecHead(Section):
+    """``LLMInferenceSpec``'s first fields: a base listed after ``EngineSections`` only so
+    that they come before the engine sections (pydantic lists inherited fields first)."""
 
     model: ModelSpec
     """The model to serve."""
@@ -115,26 +110,9 @@ class LLMInferenceSpec(Section):
     accelerator: AcceleratorSpec = Field(default_factory=AcceleratorSpec)
     """The devices each replica runs on."""
 
-    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
-    """Tensor and pipeline parallelism of one replica."""
 
-    offload: OffloadConfig = Field(default_factory=OffloadConfig)
-    """Weight offload to host memory."""
-
-    kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig)
-    """The paged KV cache."""
-
-    quantization: QuantizationConfig = Field(default_factory=QuantizationConfig)
-    """Weight quantization."""
-
-    shapes: ShapesConfig = Field(default_factory=ShapesConfig)
-    """Shape buckets and compiled kernels."""
-
-    moe: MoEConfig = Field(default_factory=MoEConfig)
-    """Mixture-of-experts routing."""
-
-    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
-    """Continuous batching."""
+class LLMInferenceSpec(EngineSections, _SpecHead):
+    """Desired state of an LLMInference: a model served by replicas of the Brook engine."""
 
     server: ServerSpec = Field(default_factory=ServerSpec)
     """The engine's HTTP server."""
@@ -208,15 +186,5 @@ def to_engine_config(spec: LLMInferenceSpec) -> EngineConfig:
         host="0.0.0.0",
         api_key=ApiKeyConfig(file=API_KEY_PATH) if spec.server.api_key_secret_ref else None,
     )
-    return EngineConfig(
-        model=model,
-        device=spec.accelerator.type,
-        parallel=spec.parallel,
-        offload=spec.offload,
-        kv_cache=spec.kv_cache,
-        quantization=spec.quantization,
-        shapes=spec.shapes,
-        moe=spec.moe,
-        scheduler=spec.scheduler,
-        server=server,
-    )
+    sections = {name: getattr(spec, name) for name in EngineSections.model_fields}
+    return EngineConfig(model=model, device=spec.accelerator.type, server=server, **sections)
