@@ -37,11 +37,7 @@ def _validated(manifests: list[Manifest]) -> tuple[list[Manifest], int]:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    try:
-        manifests = load_manifests(args.filename)
-    except ManifestError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    manifests = load_manifests(args.filename)  # ManifestError: main reports it
     valid, count = _validated(manifests)
     for manifest in valid:
         print(f"{manifest.source}: {manifest.label}: valid")
@@ -51,11 +47,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_render(args: argparse.Namespace) -> int:
-    try:
-        manifests = load_manifests(args.filename)
-    except ManifestError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    manifests = load_manifests(args.filename)  # ManifestError: main reports it
     valid, count = _validated(manifests)
     settings = OperatorSettings(engine_image=args.engine_image or OperatorSettings.engine_image)
     objects = []
@@ -292,7 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except ManifestError as exc:  # files that cannot be read as manifests (validate, render)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

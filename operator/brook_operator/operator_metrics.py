@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from brook_operator.kube import KubeError
 
 RECONCILES = "brook_operator_reconciles"
 RECONCILE_ERRORS = "brook_operator_reconcile_errors"
@@ -53,6 +58,10 @@ class OperatorMetrics:
         )
         self._children: dict[tuple[str | None, str], list[str]] = {}
         self._valid: dict[tuple[str | None, str], bool] = {}
+
+    def api_error(self, exc: KubeError) -> None:
+        """Count one Kubernetes API error, by its HTTP status code."""
+        self.errors.labels(str(exc.status)).inc()
 
     def track(self, namespace: str | None, name: str, kinds: list[str] | None, valid: bool) -> None:
         """Remember what one resource holds now (``kinds`` None: unchanged)."""

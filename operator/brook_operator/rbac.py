@@ -10,8 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from brook_operator.api import GROUP, PLURAL
-
-LWS_GROUP = "leaderworkerset.x-k8s.io"
+from brook_operator.render.workload import LWS_GROUP
 
 #: Server-side apply of a child: create when it is new, patch after.
 APPLY_VERBS = ("create", "patch")

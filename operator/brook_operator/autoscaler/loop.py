@@ -33,10 +33,10 @@ from brook_operator.autoscaler.policy import (
     decide,
 )
 from brook_operator.autoscaler.scrape import EngineSample, Scraper, scrape, scrape_all
-from brook_operator.autoscaler.status import autoscaling_status
+from brook_operator.autoscaler.status_patch import autoscaling_status
+from brook_operator.controller.conditions import now_rfc3339, rfc3339
 from brook_operator.controller.events import post_event, post_transitions
 from brook_operator.controller.reconcile import Reconciler, parse
-from brook_operator.controller.status import now_rfc3339, rfc3339
 from brook_operator.kube import KubeClient, KubeError
 from brook_operator.render import ROLE_LABEL, selector_labels
 from brook_operator.render.pod import HTTP_PORT

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from brook_operator.controller.status import conditions_by_type, rfc3339
+from brook_operator.controller.conditions import conditions_by_type, rfc3339
 from brook_operator.kube import KubeClient, KubeError
 
 log = logging.getLogger(__name__)

@@ -11,9 +11,13 @@ from typing import Any
 from pydantic import ValidationError
 
 from brook_operator.api import API_VERSION, KIND, LLMInference, topology
-from brook_operator.controller.status import Observed, compute_status, invalid_status, spec_error
+from brook_operator.controller.conditions import (
+    Observed,
+    compute_status,
+    invalid_status,
+    spec_error,
+)
 from brook_operator.kube import KubeClient, KubeError
-from brook_operator.rbac import LWS_GROUP
 from brook_operator.render import (
     PRUNABLE_KINDS,
     OperatorSettings,
@@ -22,10 +26,9 @@ from brook_operator.render import (
     with_owner,
 )
 from brook_operator.render.labels import INSTANCE_LABEL
+from brook_operator.render.workload import LWS_API_VERSION
 
 log = logging.getLogger(__name__)
-
-LWS_API_VERSION = f"{LWS_GROUP}/v1"
 
 
 @dataclass

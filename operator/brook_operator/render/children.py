@@ -8,14 +8,14 @@ from brook_operator.api import LLMInference
 from brook_operator.render.config_map import engine_config_map
 from brook_operator.render.services import api_service, disruption_budget
 from brook_operator.render.settings import OperatorSettings
-from brook_operator.render.workload import desired_replicas, workload
+from brook_operator.render.workload import LWS_API_VERSION, desired_replicas, workload
 
 #: (apiVersion, kind) of the children a spec change can make unwanted: the workload kind
 #: changes when a replica grows past one node (or shrinks back). The other children always
 #: exist under fixed names, so they are only ever applied.
 PRUNABLE_KINDS: tuple[tuple[str, str], ...] = (
     ("apps/v1", "Deployment"),
-    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"),
+    (LWS_API_VERSION, "LeaderWorkerSet"),
 )
 
 

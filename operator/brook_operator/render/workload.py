@@ -6,12 +6,14 @@ from __future__ import annotations
 from typing import Any
 
 from brook_operator.api import LLMInference, topology
-from brook_operator.rbac import LWS_GROUP
 from brook_operator.render.labels import ROLE_LABEL, child_labels, selector_labels
 from brook_operator.render.pod import pod_template
 from brook_operator.render.settings import OperatorSettings
 
-LWS_API_VERSION = f"{LWS_GROUP}/v1"
+#: The LeaderWorkerSet API (https://lws.sigs.k8s.io), which multi-pod replicas need.
+LWS_GROUP = "leaderworkerset.x-k8s.io"
+LWS_VERSION = "v1"
+LWS_API_VERSION = f"{LWS_GROUP}/{LWS_VERSION}"
 
 
 def workload_name(llmi: LLMInference) -> str:

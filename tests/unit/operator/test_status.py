@@ -10,13 +10,13 @@ import yaml
 from pydantic import ValidationError
 
 from brook_operator.api import LLMInference
-from brook_operator.controller.reconcile import parse
-from brook_operator.controller.status import (
+from brook_operator.controller.conditions import (
     Observed,
     compute_status,
     invalid_status,
     spec_error,
 )
+from brook_operator.controller.reconcile import parse
 
 ROOT = Path(__file__).resolve().parents[3]
 

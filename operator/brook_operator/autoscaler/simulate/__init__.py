@@ -8,9 +8,9 @@ model and its limits.
 
 from brook_operator.autoscaler.simulate.baselines import POLICIES, StaticPeak, static_peak
 from brook_operator.autoscaler.simulate.compare import Comparison, compare, default_spec, load_spec
-from brook_operator.autoscaler.simulate.errors import SimulationError
 from brook_operator.autoscaler.simulate.profile import Profile, load_profile, shipped_profiles
 from brook_operator.autoscaler.simulate.run import Autoscaled, RunResult, simulate
+from brook_operator.autoscaler.simulate.simulation_error import SimulationError
 from brook_operator.autoscaler.simulate.trace import (
     Request,
     read_trace,

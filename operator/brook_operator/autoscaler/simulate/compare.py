@@ -14,11 +14,11 @@ from pydantic import ValidationError
 
 from brook_operator.api.autoscaling import AutoscalingSpec
 from brook_operator.autoscaler.simulate import baselines
-from brook_operator.autoscaler.simulate.errors import SimulationError
 from brook_operator.autoscaler.simulate.oracle import ORACLES, oracle
 from brook_operator.autoscaler.simulate.profile import Profile
 from brook_operator.autoscaler.simulate.report import summary
 from brook_operator.autoscaler.simulate.run import Autoscaled, RunResult, simulate
+from brook_operator.autoscaler.simulate.simulation_error import SimulationError
 from brook_operator.autoscaler.simulate.trace import Request
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from brook_operator.autoscaler.simulate.errors import SimulationError
+from brook_operator.autoscaler.simulate.simulation_error import SimulationError
 
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 DEFAULT_PROFILE = "smollm2-135m-cpu"

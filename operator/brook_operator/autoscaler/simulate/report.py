@@ -10,8 +10,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from brook_operator.autoscaler.simulate.errors import SimulationError
 from brook_operator.autoscaler.simulate.run import RunResult
+from brook_operator.autoscaler.simulate.simulation_error import SimulationError
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

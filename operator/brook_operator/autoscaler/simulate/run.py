@@ -21,10 +21,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from brook_operator.autoscaler.policy import Policy, Recommendation, ReplicaSignals, decide
-from brook_operator.autoscaler.simulate.errors import SimulationError
 from brook_operator.autoscaler.simulate.oracle import Oracle
 from brook_operator.autoscaler.simulate.profile import Profile
 from brook_operator.autoscaler.simulate.replica import Job, Outcome, Replica
+from brook_operator.autoscaler.simulate.simulation_error import SimulationError
 from brook_operator.autoscaler.simulate.trace import Request
 
 TICK_SECONDS = 0.25

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from brook_operator.autoscaler.simulate.errors import SimulationError
+from brook_operator.autoscaler.simulate.simulation_error import SimulationError
 
 HEADER = ("arrival_s", "input_tokens", "output_tokens")
 #: The traces shipped with Brook, by name (``diurnal`` is ``traces/diurnal.csv.gz``).

@@ -1,4 +1,6 @@
-"""``status`` of an ``LLMInference`` from what its workload reports (pure)."""
+"""``status`` of an ``LLMInference`` from what its workload reports (pure): the conditions
+(SpecValid, Degraded, Ready, Progressing) and the replica counts, and the helpers that keep
+a condition's ``lastTransitionTime`` across rounds."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pydantic import ValidationError
 
 from brook_operator.api import LLMInference, topology
 from brook_operator.render import ROLE_LABEL, endpoint, selector_labels
+from brook_operator.render.workload import LWS_GROUP
 
 
 def spec_error(exc: ValidationError) -> str:
@@ -120,7 +123,7 @@ def compute_status(
                 True,
                 "LeaderWorkerSetMissing",
                 f"a replica spans {topology(llmi.spec).pods_per_replica} pods and needs the "
-                "LeaderWorkerSet API (leaderworkerset.x-k8s.io); install it: "
+                f"LeaderWorkerSet API ({LWS_GROUP}); install it: "
                 "https://lws.sigs.k8s.io/docs/installation/",
             )
         )

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from brook_operator.autoscaler.policy import Decision
-from brook_operator.controller.status import conditions_by_type, make_condition
+from brook_operator.controller.conditions import conditions_by_type, make_condition
 
 #: Decisions kept in status (the CRD's bound).
 KEPT_DECISIONS = 10
