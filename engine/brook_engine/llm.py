@@ -14,7 +14,7 @@ from typing import Any
 from tqdm import tqdm
 
 from brook_engine.config import ConfigError, EngineConfig, ModelConfig, parse_engine_config
-from brook_engine.llm_engine import LLMEngine
+from brook_engine.core.llm_engine import LLMEngine
 from brook_engine.outputs import RequestOutput
 from brook_engine.sampling_params import SamplingParams
 

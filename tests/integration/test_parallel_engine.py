@@ -283,6 +283,6 @@ def test_int8_kv_is_fitted_per_rank_and_matches_one_process(
     expected = [o.token_ids for o in _run(single, prompts)]
     parallel = _engine(folder, 2, 2, kv_cache=int8)
     engines.append(parallel)
-    assert parallel.engine.runner.replica_layer_kinds == ["int8"] * 4
+    assert parallel.engine.runner.replica.layer_kinds == ["int8"] * 4
     assert [o.token_ids for o in _run(parallel, prompts)] == expected
     assert parallel.engine.runner.kv_bytes_per_token == single.engine.runner.kv_bytes_per_token

@@ -12,10 +12,10 @@ from typing import Any
 import torch
 
 from brook_engine.bench.gemm import measure_gemm_flops
-from brook_engine.bench.run import BenchReport, percentile, run_engine
-from brook_engine.bench.workload import Workload, parse_length, random_workload
+from brook_engine.bench.run import BenchReport, run_engine
+from brook_engine.bench.workload import Workload, random_workload_for
+from brook_engine.core.llm_engine import LLMEngine
 from brook_engine.llm import engine_config_from_options
-from brook_engine.llm_engine import LLMEngine
 
 _COLUMNS = (
     ("engine", "{}"),
@@ -35,7 +35,7 @@ def _cell(value: Any, fmt: str) -> str:
 
 def bench(args: argparse.Namespace, options: dict[str, Any]) -> int:
     if args.workload == "parallel":
-        from brook_engine.bench.parallel import bench_parallel
+        from brook_engine.bench.parallel_layouts import bench_parallel
 
         return bench_parallel(args, options)
     if args.workload != "random":
@@ -106,18 +106,6 @@ def median_round(reports: list[BenchReport]) -> BenchReport:
     return middle
 
 
-def random_workload_for(args: argparse.Namespace, engine: LLMEngine) -> Workload:
-    """The ``--num-requests``/``--input-len``/``--output-len`` workload for ``engine``."""
-    return random_workload(
-        args.num_requests,
-        parse_length(args.input_len),
-        parse_length(args.output_len),
-        engine.arch.vocab_size,
-        engine.tokenizer.special_ids | set(engine.eos_token_ids),
-        seed=args.seed,
-    )
-
-
 def _bench_kv(args: argparse.Namespace, options: dict[str, Any]) -> int:
     from brook_engine.bench import kv_workloads
 
@@ -178,22 +166,14 @@ def _bench_serving(args: argparse.Namespace, options: dict[str, Any]) -> int:
 
 
 def _peer_report(result: dict[str, Any], mode: str) -> BenchReport:
-    ttft = [t for t in (result.get("ttft_s") or []) if t is not None]
-    output = int(result.get("useful_output_tokens") or result["output_tokens"])
-    elapsed = float(result["elapsed_s"])
-    return BenchReport(
-        engine=str(result["engine"]),
-        mode=mode,
+    return BenchReport.measured(
+        str(result["engine"]),
+        mode,
         requests=int(result["requests"]),
         prompt_tokens=int(result["prompt_tokens"]),
-        output_tokens=output,
-        elapsed_s=elapsed,
-        output_tok_s=output / elapsed,
-        total_tok_s=(int(result["prompt_tokens"]) + output) / elapsed,
-        ttft_p50_s=percentile(ttft, 50),
-        ttft_p99_s=percentile(ttft, 99),
-        tpot_p50_s=None,
-        tpot_p99_s=None,
+        output_tokens=int(result.get("useful_output_tokens") or result["output_tokens"]),
+        elapsed_s=float(result["elapsed_s"]),
+        ttft=[t for t in (result.get("ttft_s") or []) if t is not None],
         peak_rss_mb=float(result.get("peak_rss_mb") or 0),
         extra={"version": result.get("version"), "raw": result},
     )

@@ -14,19 +14,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from brook_engine.bench.run import BenchReport, greedy_outputs, run_engine
-from brook_engine.bench.workload import Workload
+from brook_engine.bench.workload import Workload, prompt_token_ids, random_tokens
+from brook_engine.core.llm_engine import LLMEngine
 from brook_engine.llm import engine_config_from_options
-from brook_engine.llm_engine import LLMEngine
 
 
 @dataclass(frozen=True)
 class KVBenchResult:
     reports: list[BenchReport]
     summary: dict[str, Any]
-
-
-def _tokens(rng: random.Random, allowed: list[int], n: int) -> list[int]:
-    return [rng.choice(allowed) for _ in range(n)]
 
 
 def shared_prefix_workload(
@@ -38,8 +34,8 @@ def shared_prefix_workload(
     seed: int = 0,
 ) -> Workload:
     rng = random.Random(seed)
-    system = _tokens(rng, allowed, system_len)
-    prompts = [system + _tokens(rng, allowed, question_len) for _ in range(num_requests)]
+    system = random_tokens(rng, allowed, system_len)
+    prompts = [system + random_tokens(rng, allowed, question_len) for _ in range(num_requests)]
     return Workload(prompts, [output_len] * num_requests)
 
 
@@ -54,10 +50,10 @@ def zipf_prefix_workload(
     seed: int = 0,
 ) -> Workload:
     rng = random.Random(seed)
-    prefixes = [_tokens(rng, allowed, prefix_len) for _ in range(num_prefixes)]
+    prefixes = [random_tokens(rng, allowed, prefix_len) for _ in range(num_prefixes)]
     weights = [1 / (rank + 1) ** exponent for rank in range(num_prefixes)]
     prompts = [
-        rng.choices(prefixes, weights)[0] + _tokens(rng, allowed, suffix_len)
+        rng.choices(prefixes, weights)[0] + random_tokens(rng, allowed, suffix_len)
         for _ in range(num_requests)
     ]
     return Workload(prompts, [output_len] * num_requests)
@@ -66,11 +62,6 @@ def zipf_prefix_workload(
 def _engine(model: str, options: dict[str, Any], kv: dict[str, Any], progress: bool) -> LLMEngine:
     merged = {**options, "kv_cache": {**(options.get("kv_cache") or {}), **kv}}
     return LLMEngine(engine_config_from_options(model, merged), progress=progress)
-
-
-def _allowed(engine: LLMEngine) -> list[int]:
-    excluded = engine.tokenizer.special_ids | set(engine.eos_token_ids)
-    return [t for t in range(engine.arch.vocab_size) if t not in excluded]
 
 
 def shared_prefix(
@@ -83,7 +74,7 @@ def shared_prefix(
     for sharing in (False, True):
         engine = _engine(model, options, {"prefix_sharing": {"enabled": sharing}}, progress)
         workload = workload or shared_prefix_workload(
-            _allowed(engine), num_requests=num_requests, seed=seed
+            prompt_token_ids(engine), num_requests=num_requests, seed=seed
         )
         report = run_engine(engine, workload, "batch", progress=progress)
         report.engine = f"brook (sharing {'on' if sharing else 'off'}, all at once)"
@@ -91,7 +82,7 @@ def shared_prefix(
         # Time to first token as a server sees it at light load: requests one at a time,
         # new questions on the same system prompt (which the batch above left cached).
         questions = shared_prefix_workload(
-            _allowed(engine), num_requests=16, seed=seed + 1, output_len=4
+            prompt_token_ids(engine), num_requests=16, seed=seed + 1, output_len=4
         )
         single = run_engine(engine, questions, "single", progress=progress)
         single.engine = f"brook (sharing {'on' if sharing else 'off'}, one at a time)"
@@ -120,7 +111,7 @@ def zipf_prefix(
     options = {"max_model_len": 512, **options}
     probe = _engine(model, options, {"num_blocks": 64}, progress=False)
     block = probe.block_manager.block_size
-    allowed = _allowed(probe)
+    allowed = prompt_token_ids(probe)
     del probe
     num_prefixes, prefix_len, suffix_len, output_len = 32, 256, 16, 4
     workload = zipf_prefix_workload(

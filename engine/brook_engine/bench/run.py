@@ -12,7 +12,7 @@ from typing import Any
 from tqdm import tqdm
 
 from brook_engine.bench.workload import Workload
-from brook_engine.llm_engine import LLMEngine
+from brook_engine.core.llm_engine import LLMEngine
 from brook_engine.sampling_params import SamplingParams
 
 
@@ -41,6 +41,40 @@ class BenchReport:
     peak_rss_mb: float
     mfu: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def measured(
+        cls,
+        engine: str,
+        mode: str,
+        *,
+        requests: int,
+        prompt_tokens: int,
+        output_tokens: int,
+        elapsed_s: float,
+        ttft: list[float],
+        tpot: list[float] | None = None,
+        peak_rss_mb: float = 0.0,
+        extra: dict[str, Any] | None = None,
+    ) -> BenchReport:
+        """The report of one run from its counts and per-request latencies (seconds): rates
+        and percentiles derived; no latencies, no percentile."""
+        return cls(
+            engine=engine,
+            mode=mode,
+            requests=requests,
+            prompt_tokens=prompt_tokens,
+            output_tokens=output_tokens,
+            elapsed_s=elapsed_s,
+            output_tok_s=output_tokens / elapsed_s,
+            total_tok_s=(prompt_tokens + output_tokens) / elapsed_s,
+            ttft_p50_s=percentile(ttft, 50),
+            ttft_p99_s=percentile(ttft, 99),
+            tpot_p50_s=percentile(tpot or [], 50),
+            tpot_p99_s=percentile(tpot or [], 99),
+            peak_rss_mb=peak_rss_mb,
+            extra=extra if extra is not None else {},
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -93,20 +127,15 @@ def run_engine(
     elapsed = time.perf_counter() - start
     bar.close()
     block_bytes = engine.runner.memory_bytes()["kv_cache"] / engine.runner.num_blocks
-    prompt_tokens = workload.num_prompt_tokens
-    return BenchReport(
-        engine="brook",
-        mode=mode,
+    return BenchReport.measured(
+        "brook",
+        mode,
         requests=len(workload.prompts),
-        prompt_tokens=prompt_tokens,
+        prompt_tokens=workload.num_prompt_tokens,
         output_tokens=generated,
         elapsed_s=elapsed,
-        output_tok_s=generated / elapsed,
-        total_tok_s=(prompt_tokens + generated) / elapsed,
-        ttft_p50_s=percentile(ttft, 50),
-        ttft_p99_s=percentile(ttft, 99),
-        tpot_p50_s=percentile(tpot, 50),
-        tpot_p99_s=percentile(tpot, 99),
+        ttft=ttft,
+        tpot=tpot,
         peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         extra={
             "preemptions": engine.scheduler.num_preemptions_total,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from brook_engine.bench.run import BenchReport, percentile
+from brook_engine.bench.run import BenchReport
 from brook_engine.bench.workload import Workload
 from brook_engine.config import EngineConfig, dump_engine_config
 from brook_engine.llm import engine_config_from_options
@@ -148,19 +148,12 @@ def run_http(
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    prompt_tokens = workload.num_prompt_tokens
-    return BenchReport(
-        engine="brook (http)",
-        mode=f"serve×{concurrency}",
+    return BenchReport.measured(
+        "brook (http)",
+        f"serve×{concurrency}",
         requests=len(workload.prompts),
-        prompt_tokens=prompt_tokens,
+        prompt_tokens=workload.num_prompt_tokens,
         output_tokens=generated,
         elapsed_s=elapsed,
-        output_tok_s=generated / elapsed,
-        total_tok_s=(prompt_tokens + generated) / elapsed,
-        ttft_p50_s=percentile(ttfts, 50),
-        ttft_p99_s=percentile(ttfts, 99),
-        tpot_p50_s=None,
-        tpot_p99_s=None,
-        peak_rss_mb=0.0,
+        ttft=ttfts,
     )

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from brook_engine.llm_engine import LLMEngine
+from brook_engine.core.llm_engine import LLMEngine
 from brook_engine.metrics.prometheus import EngineMetrics
 from brook_engine.outputs import RequestOutput
 from brook_engine.parallel.comm import ParallelGroupError

@@ -12,97 +12,31 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from brook_engine.block_manager import BlockManager
-from brook_engine.config import ConfigError, EngineConfig, ModelConfig, split_model_uri
+from brook_engine.config import ConfigError, EngineConfig
+from brook_engine.config.supported import check_supported
+from brook_engine.core.model_runner import Flight, ModelRunner
+from brook_engine.core.ranks import GroupSpec, LocalWorkers, join_group
+from brook_engine.core.requests import Request, RequestError, check_prompt
+from brook_engine.core.scheduler import ScheduledBatch, Scheduler
+from brook_engine.core.sequence import FinishReason, Sequence
 from brook_engine.device import resolve_backend
-from brook_engine.kv_calibration import calibration_text
+from brook_engine.kv.blocks import BlockManager
+from brook_engine.kv.calibration import calibration_text
+from brook_engine.kv.prefix import PrefixCache
 from brook_engine.layers.sampler import SampleResult
 from brook_engine.metrics.stats import EngineStats, FinishedRequestStats
-from brook_engine.model_runner import Flight, ModelRunner
-from brook_engine.models.arch import ModelArch
-from brook_engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from brook_engine.models.arch import ModelArch, resolve_model_folder
+from brook_engine.outputs import RequestOutput
 from brook_engine.parallel.comm import Communicator
-from brook_engine.parallel.launch import GroupSpec, LocalWorkers
-from brook_engine.parallel.topology import Topology
-from brook_engine.prefix_cache import PrefixCache
 from brook_engine.sampling_params import SamplingParams
-from brook_engine.scheduler import ScheduledBatch, Scheduler
-from brook_engine.sequence import FinishReason, Sequence
 from brook_engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
-
-
-class RequestError(ValueError):
-    """A request the engine cannot take; the message says which field and why."""
-
-
-def resolve_model_folder(model: ModelConfig) -> Path:
-    """The local folder of ``model.uri``. Remote sources are fetched before the engine
-    starts (in Kubernetes by the pod's init container)."""
-    scheme, rest = split_model_uri(model.uri)
-    if scheme != "file":
-        raise ConfigError(
-            f"model.uri {model.uri!r} is remote; fetch it into a local folder first (the "
-            "operator's init container does this in a pod) and pass the folder's path"
-        )
-    folder = Path(rest).expanduser()
-    if not folder.is_dir():
-        raise ConfigError(f"model.uri: {folder} is not a folder holding a Hugging Face model")
-    return folder
-
-
-def _join_watching(join: Callable[[], Communicator], workers: LocalWorkers) -> Communicator:
-    """Run the rendezvous while watching this host's workers: one that dies before it
-    joins fails the start at once instead of after the rendezvous timeout."""
-    box: list[Communicator | BaseException] = []
-    thread = threading.Thread(
-        target=lambda: box.append(_capture(join)), name="brook-rendezvous", daemon=True
-    )
-    thread.start()
-    while thread.is_alive():
-        thread.join(0.2)
-        if thread.is_alive():
-            workers.check()
-    result = box[0]
-    if isinstance(result, BaseException):
-        raise result
-    return result
-
-
-def _capture(call: Callable[[], Communicator]) -> Communicator | BaseException:
-    try:
-        return call()
-    except BaseException as exc:  # handed to the waiting thread
-        return exc
-
-
-@dataclass
-class _Request:
-    seq: Sequence
-    prompt: str | None
-    detokenizer: IncrementalDetokenizer
-    emitted: int = 0  # characters of text already returned as deltas
-
-
-def check_supported(config: EngineConfig) -> None:
-    """Refuse settings this engine build cannot honour yet, rather than ignore them."""
-    problems = []
-    if config.offload.policy != "none":
-        problems.append("offload.policy: weight offload is not available yet; use none")
-    if config.quantization.weights != "none":
-        problems.append("quantization.weights: w8a16 is not available yet; use none")
-    if config.shapes.mode != "eager":
-        problems.append("shapes.mode: compile is not available yet; use eager")
-    if problems:
-        raise ConfigError("; ".join(problems))
 
 
 class LLMEngine:
@@ -131,33 +65,8 @@ class LLMEngine:
             raise
 
     def _start_group(self, spec: GroupSpec) -> Communicator:
-        if spec.pod_rank != 0:
-            raise ConfigError("only the replica's first pod (BROOK_POD_RANK 0) runs the engine")
-        if self.backend.kind == "cpu":  # share this host's cores among its ranks
-            torch.set_num_threads(max(1, torch.get_num_threads() // spec.devices_per_pod))
-        self.workers = LocalWorkers(self.config, spec, list(spec.local_ranks)[1:])
+        self.comm, self.workers = join_group(self.config, spec, self.backend)
         atexit.register(self.shutdown)
-        par = self.config.parallel
-        log.info(
-            "replica of %d ranks (tensor %d × pipeline %d), %d on this host; rendezvous at %s:%d",
-            par.world_size,
-            par.tensor,
-            par.pipeline,
-            spec.devices_per_pod,
-            spec.rendezvous.host,
-            spec.rendezvous.port,
-        )
-        topology = Topology(par.tensor, par.pipeline, 0)
-        try:
-            self.comm = _join_watching(
-                lambda: Communicator(
-                    topology, self.backend.dist_backend, spec.rendezvous, self.backend.wait_work
-                ),
-                self.workers,
-            )
-        except BaseException:
-            self.workers.stop()
-            raise
         return self.comm
 
     comm: Communicator | None = None
@@ -194,7 +103,7 @@ class LLMEngine:
             )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.eos_token_ids = self._eos_ids(folder)
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, Request] = {}
         # Steps started and not yet collected, oldest first (a pipeline runs several).
         self._in_flight: deque[tuple[ScheduledBatch, Flight]] = deque()
         self.num_prompt_tokens_total = 0
@@ -286,23 +195,13 @@ class LLMEngine:
             raise RequestError(f"request id {request_id!r} is already running")
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise RequestError("prompt is empty; send at least one token")
-        vocab = self.arch.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise RequestError(
-                f"prompt has {len(ids)} tokens but the model length is {self.max_model_len}, "
-                "leaving no room to generate; shorten the prompt"
-            )
+        check_prompt(ids, self.arch.vocab_size, self.max_model_len)
         seq = Sequence(request_id, ids, len(ids), params)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         self.scheduler.add(seq)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-        self._requests[request_id] = _Request(seq, text, detok)
+        self._requests[request_id] = Request(seq, text, detok)
         self.num_prompt_tokens_total += len(ids)
 
     def abort_request(self, request_id: str) -> bool:
@@ -358,8 +257,8 @@ class LLMEngine:
             prefix_cache_evictions_total=cache.num_evictions if cache else 0,
             num_cached_blocks=self.block_manager.num_cached_blocks,
             kv_bytes_per_token=runner.kv_bytes_per_token,
-            kv_layer_dtypes=tuple(runner.replica_layer_kinds),
-            kv_calibration_errors=tuple(runner.replica_calibration_errors),
+            kv_layer_dtypes=tuple(runner.replica.layer_kinds),
+            kv_calibration_errors=tuple(runner.replica.calibration_errors or ()),
             kv_used_bytes=runner.kv_bytes_by_dtype(self.block_manager.num_used_blocks),
             memory_bytes=runner.memory_bytes(),
             **self._parallel_stats(),
@@ -477,62 +376,14 @@ class LLMEngine:
             outputs.append(self._output(request, now))
         return outputs
 
-    def _check_stop(self, request: _Request, token: int) -> None:
-        seq, params = request.seq, request.seq.params
-        reason: FinishReason | None = None
-        if seq.num_output_tokens >= params.min_tokens:
-            if token in self.eos_token_ids and not params.ignore_eos:
-                reason = FinishReason.STOP
-            elif token in params.stop_token_ids:
-                reason, seq.stop_reason = FinishReason.STOP, token
-        if reason is None and params.stop:
-            text = request.detokenizer.text
-            window = text[-(max(map(len, params.stop)) + 64) :]
-            for stop in params.stop:
-                at = window.find(stop)
-                if at >= 0:
-                    cut = len(text) - len(window) + at
-                    request.detokenizer.text = text[:cut]
-                    reason, seq.stop_reason = FinishReason.STOP, stop
-                    break
-        if reason is None and (
-            seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len
-        ):
-            reason = FinishReason.LENGTH
+    def _check_stop(self, request: Request, token: int) -> None:
+        reason = request.finish_reason(token, self.eos_token_ids, self.max_model_len)
         if reason is not None:
-            self.scheduler.finish(seq, reason)
-            self.runner.release(seq.request_id)
-            self._record_finished(seq)
+            self.scheduler.finish(request.seq, reason)
+            self.runner.release(request.seq.request_id)
+            self._record_finished(request.seq)
 
-    def _output(self, request: _Request, now: float) -> RequestOutput:
-        seq = request.seq
-        finished = seq.is_finished
-        text = request.detokenizer.text
-        # Hold back what could be the start of a stop string until it is settled.
-        hold = 0 if finished or not seq.params.stop else max(map(len, seq.params.stop)) - 1
-        upto = max(request.emitted, len(text) - hold)
-        delta, request.emitted = text[request.emitted : upto], upto
-        if finished:
-            del self._requests[seq.request_id]
-        completion = CompletionOutput(
-            index=0,
-            text=text,
-            token_ids=seq.output_token_ids,
-            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-            stop_reason=seq.stop_reason,
-            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-        )
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            outputs=[completion],
-            finished=finished,
-            metrics=RequestMetrics(
-                arrival_time=seq.arrival_time,
-                first_token_time=seq.first_token_time,
-                finished_time=now if finished else None,
-                num_preemptions=seq.num_preemptions,
-            ),
-            delta_text=delta,
-        )
+    def _output(self, request: Request, now: float) -> RequestOutput:
+        if request.seq.is_finished:
+            del self._requests[request.seq.request_id]
+        return request.output(now)

@@ -6,20 +6,34 @@ The operator sets, in every pod of a replica: ``BROOK_WORLD_SIZE`` (devices of t
 leader), ``MASTER_ADDR`` (the leader's address) and ``MASTER_PORT``. A pod's ranks are
 ``POD_RANK × DEVICES_PER_POD + local device``; global rank 0 (the leader's first device) runs
 the scheduler and the HTTP server, every other rank a worker.
+
+Rank 0 starts this host's other ranks as processes (``LocalWorkers``) and joins the group
+(``join_group``); a worker loads its part of the model and runs the step plans rank 0 sends
+until it says stop (``run_worker``); a pod of a multi-pod replica other than the leader's
+runs only workers (``run_worker_pod``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 import os
 import socket
-from collections.abc import Mapping
+import sys
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 
-from brook_engine.config import ConfigError, EngineConfig, dump_engine_config
-from brook_engine.parallel.comm import ParallelGroupError, Rendezvous
+import torch
+
+from brook_engine.config import ConfigError, EngineConfig, dump_engine_config, parse_engine_config
+from brook_engine.core.model_runner import ModelRunner
+from brook_engine.device import Backend, resolve_backend
+from brook_engine.models.arch import ModelArch, resolve_model_folder
+from brook_engine.parallel.comm import Communicator, ParallelGroupError, Rendezvous
+from brook_engine.parallel.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +121,6 @@ class LocalWorkers:
     that exits while the replica runs is a failure of the replica."""
 
     def __init__(self, config: EngineConfig, spec: GroupSpec, ranks: list[int]) -> None:
-        from brook_engine.parallel.worker import worker_main
-
         context = multiprocessing.get_context("spawn")
         text = dump_engine_config(config, "json")
         threads = max(1, (os.cpu_count() or 1) // spec.devices_per_pod)
@@ -143,3 +155,135 @@ class LocalWorkers:
             if process.is_alive():
                 process.terminate()
                 process.join(5)
+
+
+def run_worker(config: EngineConfig, rank: int, local_rank: int, spec: GroupSpec) -> None:
+    """Join the group as ``rank`` and serve step plans until rank 0 stops."""
+    backend = resolve_backend(config.device, local_rank)
+    topology = Topology(config.parallel.tensor, config.parallel.pipeline, rank)
+    comm = Communicator(topology, backend.dist_backend, spec.rendezvous, backend.wait_work)
+    try:
+        folder = resolve_model_folder(config.model)
+        arch = ModelArch.from_folder(folder)
+        runner = ModelRunner(config, folder, arch, backend, progress=False, comm=comm)
+        log.info(
+            "rank %d ready: layers [%d, %d), tensor rank %d of %d",
+            rank,
+            runner.layer_start,
+            runner.layer_end,
+            topology.tp_rank,
+            topology.tensor,
+        )
+        while True:
+            plan = comm.recv_plan()
+            if plan.kind == "stop":
+                break
+            runner.run_plan(plan)
+        runner.shutdown()
+    finally:
+        comm.close()
+
+
+def worker_main(
+    config_text: str, rank: int, local_rank: int, spec: GroupSpec, threads: int
+) -> None:
+    """Entry of a spawned worker process."""
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s rank {rank} %(levelname)s %(message)s"
+    )
+    torch.set_num_threads(threads)
+    try:
+        config = parse_engine_config(json.loads(config_text))
+        run_worker(config, rank, local_rank, spec)
+    except (ParallelGroupError, ConfigError) as exc:
+        log.error("rank %d stops: %s", rank, exc)
+        sys.exit(1)
+    except Exception:
+        log.exception("rank %d failed", rank)
+        sys.exit(1)
+
+
+def run_worker_pod(config: EngineConfig, spec: GroupSpec) -> int:
+    """A pod of a multi-pod replica other than the leader's: its first rank in this
+    process, the others in child processes. Returns the exit status."""
+    threads = max(1, len(_affinity()) // spec.devices_per_pod)
+    torch.set_num_threads(threads)
+    ranks = list(spec.local_ranks)
+    workers = LocalWorkers(config, spec, ranks[1:])
+    status = 0
+    try:
+        run_worker(config, ranks[0], 0, spec)
+        workers.stopping = True  # rank 0 said stop: the others stop too
+    except (ParallelGroupError, ConfigError) as exc:
+        log.error("rank %d stops: %s", ranks[0], exc)
+        status = 1
+    finally:
+        workers.stop()
+    if any(p.exitcode not in (0, None) for p in workers.processes.values()):
+        status = 1
+    return status
+
+
+def _affinity() -> set[int]:
+    try:
+        return os.sched_getaffinity(0)
+    except AttributeError:  # not Linux
+        return set(range(os.cpu_count() or 1))
+
+
+def join_group(
+    config: EngineConfig, spec: GroupSpec, backend: Backend
+) -> tuple[Communicator, LocalWorkers]:
+    """Rank 0: start this host's other ranks and join the replica's group with them."""
+    if spec.pod_rank != 0:
+        raise ConfigError("only the replica's first pod (BROOK_POD_RANK 0) runs the engine")
+    if backend.kind == "cpu":  # share this host's cores among its ranks
+        torch.set_num_threads(max(1, torch.get_num_threads() // spec.devices_per_pod))
+    workers = LocalWorkers(config, spec, list(spec.local_ranks)[1:])
+    par = config.parallel
+    log.info(
+        "replica of %d ranks (tensor %d × pipeline %d), %d on this host; rendezvous at %s:%d",
+        par.world_size,
+        par.tensor,
+        par.pipeline,
+        spec.devices_per_pod,
+        spec.rendezvous.host,
+        spec.rendezvous.port,
+    )
+    topology = Topology(par.tensor, par.pipeline, 0)
+    try:
+        comm = _join_watching(
+            lambda: Communicator(
+                topology, backend.dist_backend, spec.rendezvous, backend.wait_work
+            ),
+            workers,
+        )
+    except BaseException:
+        workers.stop()
+        raise
+    return comm, workers
+
+
+def _join_watching(join: Callable[[], Communicator], workers: LocalWorkers) -> Communicator:
+    """Run the rendezvous while watching this host's workers: one that dies before it
+    joins fails the start at once instead of after the rendezvous timeout."""
+    box: list[Communicator | BaseException] = []
+    thread = threading.Thread(
+        target=lambda: box.append(_capture(join)), name="brook-rendezvous", daemon=True
+    )
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.2)
+        if thread.is_alive():
+            workers.check()
+    result = box[0]
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+def _capture(call: Callable[[], Communicator]) -> Communicator | BaseException:
+    try:
+        return call()
+    except BaseException as exc:  # handed to the waiting thread
+        return exc

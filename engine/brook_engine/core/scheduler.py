@@ -17,9 +17,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from brook_engine.block_manager import BlockManager
 from brook_engine.config import SchedulerConfig
-from brook_engine.sequence import FinishReason, Sequence, SequenceStatus
+from brook_engine.core.sequence import FinishReason, Sequence, SequenceStatus
+from brook_engine.kv.blocks import BlockManager
 
 
 class QueueFullError(RuntimeError):

@@ -10,9 +10,32 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from typing import Protocol
 
-from brook_engine.prefix_cache import PrefixCache
-from brook_engine.sequence import Sequence
+from brook_engine.kv.prefix import PrefixCache
+from brook_engine.sampling_params import SamplingParams
+
+
+class Sequence(Protocol):
+    """What the block manager reads and keeps of a sequence (``core.sequence.Sequence``)."""
+
+    @property
+    def token_ids(self) -> list[int]: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+    @property
+    def block_table(self) -> list[int]: ...
+
+    @property
+    def prefix_keys(self) -> list[int]: ...  # chained keys of the leading full blocks
+
+    @property
+    def params(self) -> SamplingParams: ...
 
 
 class BlockManagerError(RuntimeError):

@@ -24,17 +24,19 @@ still runs where a policy names INT8 (its scales come from it), with no fallback
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from brook_engine.config import KVDType
-from brook_engine.kv_cache import Int8Params, LayerKVCache
+from brook_engine.config import DynamicPrecisionConfig, KVDType
+from brook_engine.kv.cache import Int8Params, LayerKVCache
 
 log = logging.getLogger(__name__)
 
@@ -303,4 +305,67 @@ def summarize(calibration: Calibration) -> str:
     return (
         f"KV precision calibrated on {calibration.num_tokens} tokens: {layers} ({shifted} "
         f"with shifted keys); largest error kept {max(kept, default=0.0):.3f}; {fell_back}"
+    )
+
+
+#: Calibration tokens INT8 scales need at least (fewer when the model is shorter).
+MIN_INT8_CALIBRATION_TOKENS = 256
+
+#: Tokens of the calibration text one pass measures at most.
+MAX_CALIBRATION_TOKENS = 1024
+
+
+def check_int8_calibration(ids: list[int] | None, max_model_len: int) -> None:
+    """INT8 layers take their scales from calibration: refuse a text too short to fit them."""
+    need = min(MIN_INT8_CALIBRATION_TOKENS, max_model_len)
+    have = len(ids or [])
+    if have < need:
+        raise ValueError(
+            f"INT8 KV layers take their scales from calibration text: it gives {have} tokens, "
+            f"they need at least {need}; give a longer kvCache.dynamicPrecision."
+            "calibrationFile (or leave it unset for the built-in text)"
+        )
+
+
+def calibrate_layers(
+    attention: list[Any],
+    run_prefill: Callable[[], None],
+    rotary_at: Callable[[torch.Tensor], Any],
+    kinds: list[KVDType],
+    compute_dtype: torch.dtype,
+    dynamic: DynamicPrecisionConfig,
+    num_tokens: int,
+    max_positions: int,
+) -> Calibration:
+    """Calibrate a rank's layers: ``run_prefill`` runs one prefill of the ``num_tokens``
+    calibration tokens with exact KV while each of the ``attention`` modules' inputs is
+    captured; the layers' q, k, v are then projected again from them (``project(x,
+    rotary_at(positions))``) wherever a measurement needs them."""
+    captured: list[Any] = [None] * len(attention)
+
+    def capture(index: int, _module: Any, args: tuple[Any, ...]) -> None:
+        captured[index] = args[0]
+
+    hooks = [
+        attn.register_forward_pre_hook(functools.partial(capture, i))
+        for i, attn in enumerate(attention)
+    ]
+    try:
+        run_prefill()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    fit_at, measure_at = calibration_positions(num_tokens, max_positions)
+
+    def placed(layer: Any, x: torch.Tensor) -> Callable[[torch.Tensor], Projected]:
+        return lambda at: layer.project(x, rotary_at(at))
+
+    samples = [
+        LayerSample(placed(layer, x), fit_at, measure_at, layer.scale)
+        for layer, x in zip(attention, captured, strict=True)
+    ]
+    # Dynamic precision off: the pass only fits INT8 layers; nothing moves.
+    threshold = dynamic.sensitivity_threshold if dynamic.enabled else None
+    return calibrate(
+        samples, list(kinds), compute_dtype, threshold, dynamic.fallback_dtype, num_tokens
     )

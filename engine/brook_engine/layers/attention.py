@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from brook_engine.kv_cache import LayerKVCache
+from brook_engine.kv.cache import LayerKVCache
 from brook_engine.layers import cpu_decode
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from brook_engine.kv_cache import LayerKVCache
+from brook_engine.kv.cache import LayerKVCache
 from brook_engine.layers import cpu_kernels
 
 _KINDS = {

@@ -77,40 +77,32 @@ class EngineMetrics:
         self.prefix_evictions = counter(
             names.PREFIX_CACHE_EVICTIONS_TOTAL, "Cached KV blocks evicted for new ones."
         )
-        self.cached_blocks = Gauge(
+        self.cached_blocks = gauge(
             names.KV_CACHE_CACHED_BLOCKS,
             "KV blocks no request holds, kept for a later request with the same prefix.",
-            registry=registry,
         )
-        self.kv_bytes_per_token = Gauge(
+        self.kv_bytes_per_token = gauge(
             names.KV_CACHE_BYTES_PER_TOKEN,
             "KV-cache bytes one token takes over all layers (keys, values, scales).",
-            registry=registry,
         )
-        self.kv_layers = Gauge(
-            names.KV_CACHE_LAYERS, "Layers storing KV in each dtype.", ["dtype"], registry=registry
-        )
-        self.kv_used_bytes = Gauge(
+        self.kv_layers = gauge(names.KV_CACHE_LAYERS, "Layers storing KV in each dtype.", ["dtype"])
+        self.kv_used_bytes = gauge(
             names.KV_CACHE_USED_BYTES,
             "KV-cache bytes held by live requests, by storage dtype.",
             ["dtype"],
-            registry=registry,
         )
-        self.kv_errors = Gauge(
+        self.kv_errors = gauge(
             names.KV_CALIBRATION_ERROR,
             "Relative attention-output error low-precision KV storage adds, per measured layer.",
             ["layer"],
-            registry=registry,
         )
-        self.bubble = Gauge(
+        self.bubble = gauge(
             names.PIPELINE_BUBBLE_RATIO,
             "Share of the ranks' step time not spent computing (latest window; 0 unparallel).",
-            registry=registry,
         )
-        self.micro_batches = Gauge(
+        self.micro_batches = gauge(
             names.PIPELINE_MICRO_BATCHES,
             "Micro-batches a step is split into between pipeline stages.",
-            registry=registry,
         )
         self.comm_seconds = counter(
             names.COMM_SECONDS_TOTAL,

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from brook_engine.config import ConfigError, ModelFacts
+from brook_engine.config import ConfigError, ModelConfig, ModelFacts, split_model_uri
 
 #: Architectures the engine runs, and whether their q/k/v projections carry a bias.
 SUPPORTED_ARCHITECTURES = {
@@ -21,6 +21,21 @@ SUPPORTED_ARCHITECTURES = {
 
 #: Rotary variants: plain, position interpolation, Llama 3.1's and YaRN.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def resolve_model_folder(model: ModelConfig) -> Path:
+    """The local folder of ``model.uri``. Remote sources are fetched before the engine
+    starts (in Kubernetes by the pod's init container)."""
+    scheme, rest = split_model_uri(model.uri)
+    if scheme != "file":
+        raise ConfigError(
+            f"model.uri {model.uri!r} is remote; fetch it into a local folder first (the "
+            "operator's init container does this in a pod) and pass the folder's path"
+        )
+    folder = Path(rest).expanduser()
+    if not folder.is_dir():
+        raise ConfigError(f"model.uri: {folder} is not a folder holding a Hugging Face model")
+    return folder
 
 
 @dataclass(frozen=True)
@@ -47,6 +62,15 @@ class ModelArch:
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def activation_bytes(self, max_tokens: int, max_seqs: int, tensor: int, itemsize: int) -> int:
+        """Bytes the largest step's activations take on one tensor rank (an estimate where
+        the device keeps no allocator statistics): a step of ``max_tokens`` tokens, and
+        float32 logits for ``max_seqs`` sequences."""
+        per_token = 4 * self.hidden_size
+        per_token += (self.num_heads + 2 * self.num_kv_heads) * self.head_dim // tensor
+        per_token += 3 * self.intermediate_size // tensor  # gate_up output and its product
+        return max_tokens * per_token * itemsize + max_seqs * self.vocab_size * 4
 
     @property
     def facts(self) -> ModelFacts:

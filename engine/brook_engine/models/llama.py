@@ -3,8 +3,8 @@ attention and a SiLU-gated MLP. q/k/v and gate/up are fused into one projection 
 layer runs four matrix multiplications.
 
 Under tensor parallelism a rank builds the same modules with its share of the heads and of
-the MLP width (``layers.parallel``); under pipeline parallelism only its stage's layers, the
-embedding on the first stage and the final norm and LM head on the last.
+the MLP width (``layers.tensor_parallel``); under pipeline parallelism only its stage's
+layers, the embedding on the first stage and the final norm and LM head on the last.
 """
 
 from __future__ import annotations
@@ -16,18 +16,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from brook_engine.kv_cache import LayerKVCache
+from brook_engine.kv.cache import LayerKVCache
 from brook_engine.layers import cpu_fused
 from brook_engine.layers.attention import AttentionMetadata, paged_attention
 from brook_engine.layers.linear import Linear, dense
 from brook_engine.layers.norm import RMSNorm
-from brook_engine.layers.parallel import (
+from brook_engine.layers.rotary import RotaryEmbedding
+from brook_engine.layers.tensor_parallel import (
     Shard,
     TensorComm,
     VocabParallelEmbedding,
     VocabParallelHead,
 )
-from brook_engine.layers.rotary import RotaryEmbedding
 from brook_engine.models.arch import ModelArch
 
 #: cos and sin of the step's positions, [tokens, 1, head_dim] each

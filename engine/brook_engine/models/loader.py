@@ -9,6 +9,7 @@ tensor is an error that names it.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,13 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from brook_engine.config import ConfigError
+from brook_engine.layers import cpu_fused
+from brook_engine.layers.linear import keep_one_row_copies, pack_cpu_weights
+from brook_engine.layers.tensor_parallel import Shard, TensorComm
+from brook_engine.models.arch import ModelArch
 from brook_engine.models.llama import CausalLM
+
+log = logging.getLogger(__name__)
 
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
@@ -42,6 +49,54 @@ class Placement:
 
 #: A checkpoint tensor this rank does not hold (another stage's).
 _ELSEWHERE: list[Placement] = []
+
+
+def load_model(
+    arch: ModelArch,
+    folder: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    shard: Shard,
+    comm: TensorComm | None,
+    progress: bool,
+) -> tuple[CausalLM, int]:
+    """This rank's part of the model, built without memory first, then filled from the
+    checkpoint; and the bytes its weights take (on CPU with the oneDNN-packed copies)."""
+    with torch.device("meta"):
+        model = CausalLM(arch, dtype, shard, comm)
+    model.to_empty(device=device)
+    model.tie_embeddings()
+    load_weights(model, folder, progress=progress)
+    model.eval()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if device.type == "cpu":
+        weight_bytes += pack_cpu_weights(model)
+    return model, weight_bytes
+
+
+def add_one_row_copies(
+    model: CausalLM, choice: str, dtype: torch.dtype, device: torch.device
+) -> int | None:
+    """``shapes.oneRowWeights``: copies of the weights for one-row products, where they
+    apply (a bfloat16 model on CPU; BF16 copies need the AVX512-BF16 kernel). Returns the
+    bytes they take, or None where none are kept."""
+    if choice == "model":
+        return None
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        log.warning(
+            "shapes.oneRowWeights %s applies to bfloat16 models on CPU; ignored (%s, %s)",
+            choice,
+            device.type,
+            str(dtype).removeprefix("torch."),
+        )
+        return None
+    if choice == "bf16" and not cpu_fused.one_row_bf16_supported():
+        log.warning(
+            "shapes.oneRowWeights bf16 needs a CPU with AVX512-BF16 and Brook's CPU "
+            "kernels (see the log above); ignored, use fp16 on this CPU"
+        )
+        return None
+    return keep_one_row_copies(model, torch.bfloat16 if choice == "bf16" else torch.float16)
 
 
 def checkpoint_files(folder: Path) -> list[Path]:

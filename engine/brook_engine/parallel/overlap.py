@@ -21,9 +21,12 @@ runner synchronizes the stream at the boundaries it times.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
 
 #: Communication kinds; "control" stays out of the overlap ratio.
 KINDS = ("all_reduce", "all_gather", "p2p", "control")
@@ -252,6 +255,26 @@ class Adaptation:
             self.micro_batches = self._arm(0)
         return self.micro_batches
 
+    def observe_window(self, window: Counters) -> int:
+        """``observe`` a window of the replica's summed counters; logs what changes."""
+        kept, settled = len(self.changes), self.settled
+        count = self.observe(
+            window.overlap,
+            window.comm_total > 0,
+            window.tokens_per_second,
+            window.prefill_share if window.tokens > 0 else None,
+        )
+        if len(self.changes) > kept:
+            log.info(
+                "overlap %.2f below %.2f: %d micro-batches from now on",
+                self.changes[-1][1],
+                self.floor,
+                count,
+            )
+        elif self.settled and not settled:
+            log.info("more micro-batches cost throughput: staying at %d", count)
+        return count
+
     def _arm(self, index: int) -> int:
         return min(self.ceiling, 2 * self._base) if self.TRIAL[index] else self._base
 
@@ -317,3 +340,21 @@ def _subtract(a: list[Interval], b: list[Interval]) -> list[Interval]:
 
 def _length(spans: list[Interval]) -> float:
     return sum(end - start for start, end in spans)
+
+
+def micro_batch_adaptation(
+    tensor: int, pipeline: int, steps_in_flight: int, pinned: int | None
+) -> Adaptation:
+    """The micro-batches a replica starts from and may rise to (``pinned`` fixes both).
+
+    Pipeline: with a step per stage in flight the stages are busy already and one
+    micro-batch per step is the start; with fewer steps in flight, micro-batches keep them
+    busy. Either way more micro-batches hide more of each step's sends. Tensor parallel
+    alone: two micro-batches, interleaved, hide the all-reduces; more only shrink the matrix
+    multiplications. One device: nothing to hide."""
+    if pipeline > 1:
+        start = 1 if steps_in_flight >= pipeline else pipeline
+        ceiling = 8 * pipeline
+    else:
+        start, ceiling = 1, 2 if tensor > 1 else 1
+    return Adaptation(pinned or start, pinned or ceiling)

@@ -1,5 +1,6 @@
-"""The ASGI app: OpenAI routes, probes, metrics, API key, and loading the model in the
-background so /health answers while weights load.
+"""The ASGI app: the OpenAI routes (``openai_routes``), the probes and metrics
+(``probe_routes``), errors in the OpenAI shape, and loading the model in the background so
+/health answers while weights load.
 
 /health: the process is up (and its engine thread, once started, is alive).
 /ready: the model is loaded and warmed up, and the server is not draining.
@@ -11,39 +12,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
-import json
 import logging
 import os
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from pydantic import BaseModel, ValidationError
+from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.responses import Response
+from starlette.types import Lifespan
 
 from brook_engine import __version__
-from brook_engine.async_engine import AsyncEngine
 from brook_engine.config import ConfigError, EngineConfig
 from brook_engine.config.server import ApiKeyConfig
-from brook_engine.llm_engine import LLMEngine, resolve_model_folder
+from brook_engine.core.async_engine import AsyncEngine
+from brook_engine.core.llm_engine import LLMEngine
+from brook_engine.core.ranks import GroupSpec
 from brook_engine.metrics.prometheus import EngineMetrics
-from brook_engine.parallel.launch import GroupSpec
-from brook_engine.server.chat import create_chat_completion
-from brook_engine.server.completions import create_completion
-from brook_engine.server.errors import APIError, from_validation_error, invalid
-from brook_engine.server.generation import ClientGone, EventStream, ServerState, unavailable
-from brook_engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from brook_engine.models.arch import resolve_model_folder
+from brook_engine.server.errors import APIError
+from brook_engine.server.openai_routes import MAX_BODY_BYTES, openai_routes
+from brook_engine.server.probe_routes import metrics_route, probe_routes
+from brook_engine.server.state import ServerState
+
+__all__ = ["MAX_BODY_BYTES", "build_app", "read_api_key", "served_name"]
 
 log = logging.getLogger(__name__)
-
-MAX_BODY_BYTES = 32 * 1024 * 1024
 
 
 def read_api_key(config: ApiKeyConfig | None) -> str | None:
@@ -83,143 +79,12 @@ def build_app(
     api_key = read_api_key(config.server.api_key)
     registry = registry if registry is not None else CollectorRegistry()
     state = ServerState(served_name(config))
-
-    async def load() -> None:
-        try:
-            warm_up_s = 0.0
-
-            def build() -> tuple[LLMEngine, EngineMetrics]:
-                nonlocal warm_up_s
-                engine = LLMEngine(config, group=group)
-                warm_up_s = engine.warm_up()
-                return engine, EngineMetrics(registry, _info(config, engine))
-
-            state.engine = await AsyncEngine.launch(build, on_fatal)
-            engine = state.engine.engine
-            state.tokenizer = engine.tokenizer
-            state.max_model_len = engine.max_model_len
-            state.vocab_size = engine.arch.vocab_size
-            state.is_ready = True
-            log.info("ready: %s (warm-up %.2f s)", state.served_name, warm_up_s)
-        except Exception as exc:
-            log.error("the model failed to load: %s", exc)
-            if on_fatal is not None:
-                on_fatal(exc)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        loader = asyncio.ensure_future(load())
-        try:
-            yield
-        finally:
-            if not loader.done():
-                loader.cancel()
-            if state.engine is not None:
-                await state.engine.stop()
-
-    def authorize(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), api_key.encode()
-        ):
-            raise APIError(
-                401,
-                "missing or wrong API key; send it as 'Authorization: Bearer KEY'",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-
-    async def health(request: Request) -> Response:
-        if state.is_ready and state.engine is not None and not state.engine.is_running:
-            return JSONResponse({"status": "engine stopped"}, status_code=503)
-        return JSONResponse({"status": "ok"})
-
-    async def ready(request: Request) -> Response:
-        if state.is_draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
-        if not state.is_ready:
-            return JSONResponse({"status": "loading"}, status_code=503)
-        if state.engine is not None and not state.engine.is_running:
-            return JSONResponse({"status": "engine stopped"}, status_code=503)
-        return JSONResponse({"status": "ready"})
-
-    async def metrics(request: Request) -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
-
-    def model_card() -> dict[str, Any]:
-        return {
-            "id": state.served_name,
-            "object": "model",
-            "created": state.created,
-            "owned_by": "brook",
-            "max_model_len": state.max_model_len or None,
-        }
-
-    async def list_models(request: Request) -> Response:
-        authorize(request)
-        return JSONResponse({"object": "list", "data": [model_card()]})
-
-    async def get_model(request: Request) -> Response:
-        authorize(request)
-        if request.path_params["model"] != state.served_name:
-            raise _unknown_model(request.path_params["model"], state.served_name)
-        return JSONResponse(model_card())
-
-    def api(
-        model: type[BaseModel],
-        handler: Callable[[ServerState, Any, Request, float], Awaitable[Response]],
-    ) -> Callable[[Request], Awaitable[Response]]:
-        async def endpoint(request: Request) -> Response:
-            arrival = time.monotonic()
-            authorize(request)
-            if state.is_draining:
-                raise unavailable("the server is shutting down; retry on another replica")
-            if not state.is_ready:
-                raise unavailable("the model is still loading; retry shortly")
-            body = await _json_body(request)
-            try:
-                req = model.model_validate(body)
-            except ValidationError as exc:
-                raise from_validation_error(exc) from None
-            if req.model != state.served_name:  # type: ignore[attr-defined]
-                raise _unknown_model(req.model, state.served_name)  # type: ignore[attr-defined]
-            state.begin()
-            try:
-                response = await handler(state, req, request, arrival)
-            except ClientGone:
-                state.end()
-                return Response(status_code=499)  # nobody is listening; for the access log
-            except BaseException:
-                state.end()
-                raise
-            if isinstance(response, EventStream):
-                response.on_close.append(state.end)
-            else:
-                state.end()
-            return response
-
-        return endpoint
-
-    routes = [
-        Route("/health", health, methods=["GET"]),
-        Route("/ready", ready, methods=["GET"]),
-        Route("/v1/models", list_models, methods=["GET"]),
-        Route("/v1/models/{model:path}", get_model, methods=["GET"]),
-        Route("/v1/completions", api(CompletionRequest, create_completion), methods=["POST"]),
-        Route(
-            "/v1/chat/completions",
-            api(ChatCompletionRequest, create_chat_completion),
-            methods=["POST"],
-        ),
-    ]
+    routes = [*probe_routes(state), *openai_routes(state, api_key)]
     if config.server.metrics:
-        routes.append(Route("/metrics", metrics, methods=["GET"]))
+        routes.append(metrics_route(registry))
     app = Starlette(
         routes=routes,
-        lifespan=lifespan,
+        lifespan=_lifespan(config, state, registry, on_fatal, group),
         exception_handlers={
             APIError: _api_error,
             HTTPException: _http_error,
@@ -228,6 +93,58 @@ def build_app(
     )
     app.state.brook = state
     return app
+
+
+def _lifespan(
+    config: EngineConfig,
+    state: ServerState,
+    registry: CollectorRegistry,
+    on_fatal: Callable[[BaseException], None] | None,
+    group: GroupSpec | None,
+) -> Lifespan[Starlette]:
+    """Load the model in the background while the server starts; stop the engine at exit."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        loader = asyncio.ensure_future(_load(config, state, registry, on_fatal, group))
+        try:
+            yield
+        finally:
+            if not loader.done():
+                loader.cancel()
+            if state.engine is not None:
+                await state.engine.stop()
+
+    return lifespan
+
+
+async def _load(
+    config: EngineConfig,
+    state: ServerState,
+    registry: CollectorRegistry,
+    on_fatal: Callable[[BaseException], None] | None,
+    group: GroupSpec | None,
+) -> None:
+    try:
+        warm_up_s = 0.0
+
+        def build() -> tuple[LLMEngine, EngineMetrics]:
+            nonlocal warm_up_s
+            engine = LLMEngine(config, group=group)
+            warm_up_s = engine.warm_up()
+            return engine, EngineMetrics(registry, _info(config, engine))
+
+        state.engine = await AsyncEngine.launch(build, on_fatal)
+        engine = state.engine.engine
+        state.tokenizer = engine.tokenizer
+        state.max_model_len = engine.max_model_len
+        state.vocab_size = engine.arch.vocab_size
+        state.is_ready = True
+        log.info("ready: %s (warm-up %.2f s)", state.served_name, warm_up_s)
+    except Exception as exc:
+        log.error("the model failed to load: %s", exc)
+        if on_fatal is not None:
+            on_fatal(exc)
 
 
 def _info(config: EngineConfig, engine: LLMEngine) -> dict[str, str]:
@@ -242,33 +159,6 @@ def _info(config: EngineConfig, engine: LLMEngine) -> dict[str, str]:
         "kv_block_size": str(config.kv_cache.block_size),
         "max_num_seqs": str(config.scheduler.max_num_seqs),
     }
-
-
-def _unknown_model(name: str, served: str) -> APIError:
-    return APIError(
-        404,
-        f"the model {name!r} does not exist here; this server serves {served!r}",
-        param="model",
-        code="model_not_found",
-    )
-
-
-async def _json_body(request: Request) -> Any:
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-        raise APIError(413, f"the body exceeds {MAX_BODY_BYTES} bytes", code="body_too_large")
-    body = b""
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise APIError(413, f"the body exceeds {MAX_BODY_BYTES} bytes", code="body_too_large")
-    try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise invalid(f"the body is not valid JSON: {exc}", None, code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise invalid("the body must be a JSON object", None, code="invalid_json")
-    return data
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:

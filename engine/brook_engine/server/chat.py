@@ -4,30 +4,20 @@ choices, whole or streamed."""
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
-from brook_engine.async_engine import OutputStream, SubRequest
-from brook_engine.outputs import RequestOutput
+from brook_engine.core.async_engine import SubRequest
+from brook_engine.outputs import CompletionOutput, RequestOutput
+from brook_engine.server.engine_calls import check_context, new_id, sampling_params, submit
 from brook_engine.server.errors import APIError, invalid
-from brook_engine.server.generation import (
-    EventStream,
-    ServerState,
-    chat_logprobs,
-    check_context,
-    collect,
-    engine_failure,
-    new_id,
-    sampling_params,
-    sse,
-    submit,
-    usage,
-)
+from brook_engine.server.logprobs import chat_logprobs
 from brook_engine.server.protocol import ChatCompletionRequest
+from brook_engine.server.replies import EventStream, NewTokens, stream_events, whole_reply
+from brook_engine.server.state import ServerState
 from brook_engine.tokenizer import ChatTemplateError, Tokenizer
 
 
@@ -67,34 +57,68 @@ async def create_chat_completion(
         state, [SubRequest(f"{call_id}-{j}", ids, params) for j in range(req.n)], arrival
     )
     if req.stream:
-        return EventStream(_stream(state, req, call_id, stream, len(ids)), stream.close)
-    try:
-        final = await collect(stream, request)
-    finally:
-        stream.close()
-    outputs = [final[j] for j in range(req.n)]
-    choices = []
-    for index, output in enumerate(outputs):
-        completion = output.outputs[0]
-        choices.append(
-            {
-                "index": index,
-                "message": {"role": "assistant", "content": completion.text},
-                "logprobs": _logprobs(state, completion.token_ids, completion.logprobs),
-                "finish_reason": completion.finish_reason,
-                "stop_reason": completion.stop_reason,
-            }
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        events = stream_events(
+            stream,
+            call_id=call_id,
+            object_name="chat.completion.chunk",
+            model=state.served_name,
+            chunk_choices=partial(_chunk_choices, state),
+            # Every choice opens with the role, as OpenAI's stream does.
+            opening=[_delta(index, {"role": "assistant", "content": ""}) for index in range(req.n)],
+            usage_prompt_lengths=[len(ids)] if include_usage else None,
         )
-    return JSONResponse(
-        {
-            "id": call_id,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": state.served_name,
-            "choices": choices,
-            "usage": usage([len(ids)], outputs),
-        }
+        return EventStream(events, stream.close)
+    return await whole_reply(
+        stream,
+        request,
+        call_id=call_id,
+        object_name="chat.completion",
+        model=state.served_name,
+        num_choices=req.n,
+        prompt_lengths=[len(ids)],
+        choice=partial(_whole_choice, state),
     )
+
+
+def _whole_choice(state: ServerState, index: int, completion: CompletionOutput) -> dict[str, Any]:
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": completion.text},
+        "logprobs": _logprobs(state, completion.token_ids, completion.logprobs),
+        "finish_reason": completion.finish_reason,
+        "stop_reason": completion.stop_reason,
+    }
+
+
+def _delta(index: int, delta: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+    choice.update(extra)
+    return choice
+
+
+def _chunk_choices(
+    state: ServerState, index: int, output: RequestOutput, new: NewTokens
+) -> list[dict[str, Any]]:
+    """The new text (with the logprobs of its tokens), then a last delta with the reason the
+    choice ended."""
+    completion = output.outputs[0]
+    logprobs = None
+    if new.logprobs is not None and new.token_ids:
+        logprobs = _logprobs(state, new.token_ids, new.logprobs)
+    choices = []
+    if output.delta_text or logprobs is not None:
+        choices.append(_delta(index, {"content": output.delta_text}, logprobs=logprobs))
+    if output.finished:
+        choices.append(
+            _delta(
+                index,
+                {},
+                finish_reason=completion.finish_reason,
+                stop_reason=completion.stop_reason,
+            )
+        )
+    return choices
 
 
 def _logprobs(
@@ -104,70 +128,3 @@ def _logprobs(
         return None
     assert state.tokenizer is not None
     return chat_logprobs(state.tokenizer, token_ids, logprobs)
-
-
-async def _stream(
-    state: ServerState,
-    req: ChatCompletionRequest,
-    call_id: str,
-    stream: OutputStream,
-    num_prompt_tokens: int,
-) -> AsyncIterator[str]:
-    created = int(time.time())
-
-    def chunk(index: int, delta: dict[str, Any], **extra: Any) -> str:
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
-        choice.update(extra)
-        return sse(
-            {
-                "id": call_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": state.served_name,
-                "choices": [choice],
-            }
-        )
-
-    # Every choice opens with the role, as OpenAI's stream does.
-    for index in range(req.n):
-        yield chunk(index, {"role": "assistant", "content": ""})
-    sent_tokens: dict[int, int] = {}
-    finals: dict[int, RequestOutput] = {}
-    try:
-        async for index, output in stream:
-            completion = output.outputs[0]
-            start = sent_tokens.get(index, 0)
-            sent_tokens[index] = len(completion.token_ids)
-            logprobs = None
-            if completion.logprobs is not None and len(completion.token_ids) > start:
-                logprobs = _logprobs(
-                    state, completion.token_ids[start:], completion.logprobs[start:]
-                )
-            if output.delta_text or logprobs is not None:
-                yield chunk(index, {"content": output.delta_text}, logprobs=logprobs)
-            if output.finished:
-                finals[index] = output
-                yield chunk(
-                    index,
-                    {},
-                    finish_reason=completion.finish_reason,
-                    stop_reason=completion.stop_reason,
-                )
-        if req.stream_options and req.stream_options.include_usage:
-            outputs = [finals[i] for i in sorted(finals)]
-            yield sse(
-                {
-                    "id": call_id,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": state.served_name,
-                    "choices": [],
-                    "usage": usage([num_prompt_tokens], outputs),
-                }
-            )
-    except Exception as exc:
-        try:
-            engine_failure(exc)
-        except APIError as api_error:
-            yield api_error.sse()
-    yield sse("[DONE]")

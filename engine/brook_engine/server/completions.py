@@ -3,30 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
-from brook_engine.async_engine import SubRequest
-from brook_engine.outputs import RequestOutput
+from brook_engine.core.async_engine import SubRequest
+from brook_engine.outputs import CompletionOutput, RequestOutput
+from brook_engine.server.engine_calls import check_context, new_id, sampling_params, submit
 from brook_engine.server.errors import APIError
-from brook_engine.server.generation import (
-    EventStream,
-    ServerState,
-    check_context,
-    collect,
-    completion_logprobs,
-    engine_failure,
-    new_id,
-    sampling_params,
-    sse,
-    submit,
-    usage,
-)
+from brook_engine.server.logprobs import completion_logprobs
 from brook_engine.server.protocol import CompletionRequest
+from brook_engine.server.replies import EventStream, NewTokens, stream_events, whole_reply
+from brook_engine.server.state import ServerState
 
 DEFAULT_MAX_TOKENS = 16  # the OpenAI API's default for completions
 
@@ -62,33 +52,56 @@ async def create_completion(
     stream = await submit(state, calls, arrival)
     lengths = [len(ids) for ids in prompt_ids]
     if req.stream:
-        return EventStream(_stream(state, req, call_id, stream, lengths), stream.close)
-    try:
-        final = await collect(stream, request)
-    finally:
-        stream.close()
-    outputs = [final[i] for i in range(len(calls))]
-    choices = []
-    for index, output in enumerate(outputs):
-        completion = output.outputs[0]
-        choices.append(
-            {
-                "index": index,
-                "text": completion.text,
-                "logprobs": _logprobs(state, completion.token_ids, completion.logprobs, 0),
-                "finish_reason": completion.finish_reason,
-                "stop_reason": completion.stop_reason,
-            }
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        events = stream_events(
+            stream,
+            call_id=call_id,
+            object_name="text_completion",
+            model=state.served_name,
+            chunk_choices=partial(_chunk_choices, state),
+            usage_prompt_lengths=lengths if include_usage else None,
         )
-    body = {
-        "id": call_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": state.served_name,
-        "choices": choices,
-        "usage": usage(lengths, outputs),
+        return EventStream(events, stream.close)
+    return await whole_reply(
+        stream,
+        request,
+        call_id=call_id,
+        object_name="text_completion",
+        model=state.served_name,
+        num_choices=len(calls),
+        prompt_lengths=lengths,
+        choice=partial(_whole_choice, state),
+    )
+
+
+def _whole_choice(state: ServerState, index: int, completion: CompletionOutput) -> dict[str, Any]:
+    return {
+        "index": index,
+        "text": completion.text,
+        "logprobs": _logprobs(state, completion.token_ids, completion.logprobs, 0),
+        "finish_reason": completion.finish_reason,
+        "stop_reason": completion.stop_reason,
     }
-    return JSONResponse(body)
+
+
+def _chunk_choices(
+    state: ServerState, index: int, output: RequestOutput, new: NewTokens
+) -> list[dict[str, Any]]:
+    """The new text with the logprobs of its tokens; the last one carries the reason the
+    choice ended. An output that adds nothing is not sent."""
+    completion = output.outputs[0]
+    logprobs = _logprobs(state, new.token_ids, new.logprobs, new.text_offset)
+    if not output.delta_text and not output.finished and logprobs is None:
+        return []
+    return [
+        {
+            "index": index,
+            "text": output.delta_text,
+            "logprobs": logprobs,
+            "finish_reason": completion.finish_reason,
+            "stop_reason": completion.stop_reason,
+        }
+    ]
 
 
 def _logprobs(
@@ -101,68 +114,3 @@ def _logprobs(
         return None
     assert state.tokenizer is not None
     return completion_logprobs(state.tokenizer, token_ids, logprobs, offset)
-
-
-async def _stream(
-    state: ServerState,
-    req: CompletionRequest,
-    call_id: str,
-    stream: Any,
-    lengths: list[int],
-) -> AsyncIterator[str]:
-    created = int(time.time())
-    sent_tokens: dict[int, int] = {}
-    sent_chars: dict[int, int] = {}
-    finals: dict[int, RequestOutput] = {}
-    try:
-        async for index, output in stream:
-            completion = output.outputs[0]
-            start = sent_tokens.get(index, 0)
-            sent_tokens[index] = len(completion.token_ids)
-            logprobs = None
-            if completion.logprobs is not None:
-                logprobs = _logprobs(
-                    state,
-                    completion.token_ids[start:],
-                    completion.logprobs[start:],
-                    sent_chars.get(index, 0),
-                )
-            sent_chars[index] = sent_chars.get(index, 0) + len(output.delta_text)
-            if not output.delta_text and not output.finished and logprobs is None:
-                continue
-            if output.finished:
-                finals[index] = output
-            yield sse(
-                {
-                    "id": call_id,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": state.served_name,
-                    "choices": [
-                        {
-                            "index": index,
-                            "text": output.delta_text,
-                            "logprobs": logprobs,
-                            "finish_reason": completion.finish_reason,
-                            "stop_reason": completion.stop_reason,
-                        }
-                    ],
-                }
-            )
-        if req.stream_options and req.stream_options.include_usage:
-            yield sse(
-                {
-                    "id": call_id,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": state.served_name,
-                    "choices": [],
-                    "usage": usage(lengths, [finals[i] for i in sorted(finals)]),
-                }
-            )
-    except Exception as exc:
-        try:
-            engine_failure(exc)
-        except APIError as api_error:
-            yield api_error.sse()
-    yield sse("[DONE]")

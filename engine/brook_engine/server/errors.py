@@ -7,7 +7,6 @@ Status codes: 400 invalid request (the field in ``param``), 401 API key missing 
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from pydantic import ValidationError
@@ -55,13 +54,13 @@ class APIError(Exception):
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
-    def sse(self) -> str:
-        """The error as a server-sent event (a failure after streaming began)."""
-        return f"data: {json.dumps(self.body())}\n\n"
-
 
 def invalid(message: str, param: str | None, code: str = "invalid_value") -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def unavailable(message: str) -> APIError:
+    return APIError(503, message, code="unavailable", headers={"Retry-After": "1"})
 
 
 def field_path(loc: tuple[int | str, ...]) -> str:

@@ -19,6 +19,8 @@ MAX_N = 16
 MAX_TOKENS_LIMIT = 1_048_576
 MAX_STOP = 16
 MAX_PROMPTS = 256
+#: Penalties the engine does not apply, accepted only at the value that means "no penalty".
+_NEUTRAL_PENALTIES = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1}
 
 
 class StreamOptions(BaseModel):
@@ -62,18 +64,12 @@ class _Common(BaseModel):
             raise ValueError("stop strings must not be empty")
         return value
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator(*_NEUTRAL_PENALTIES)
     @classmethod
-    def _no_penalty(cls, value: float) -> float:
-        if value != 0:
-            raise ValueError("not supported by this server; leave it at 0")
-        return value
-
-    @field_validator("repetition_penalty")
-    @classmethod
-    def _no_repetition_penalty(cls, value: float) -> float:
-        if value != 1:
-            raise ValueError("not supported by this server; leave it at 1")
+    def _no_penalty(cls, value: float, info: ValidationInfo) -> float:
+        neutral = _NEUTRAL_PENALTIES[info.field_name or ""]
+        if value != neutral:
+            raise ValueError(f"not supported by this server; leave it at {neutral}")
         return value
 
     @field_validator("logit_bias")

@@ -18,10 +18,9 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 
 from brook_engine.config import EngineConfig
-from brook_engine.parallel.launch import GroupSpec
-from brook_engine.parallel.worker import run_worker_pod
+from brook_engine.core.ranks import GroupSpec, run_worker_pod
 from brook_engine.server.app import build_app
-from brook_engine.server.generation import ServerState
+from brook_engine.server.state import ServerState
 
 log = logging.getLogger(__name__)
 

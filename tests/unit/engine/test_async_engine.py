@@ -11,15 +11,15 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from brook_engine import LLM, SamplingParams
-from brook_engine.async_engine import (
+from brook_engine.core.async_engine import (
     AsyncEngine,
     EngineStepError,
     EngineStoppedError,
     SubRequest,
 )
-from brook_engine.llm_engine import RequestError
+from brook_engine.core.requests import RequestError
+from brook_engine.core.scheduler import QueueFullError
 from brook_engine.metrics.prometheus import EngineMetrics
-from brook_engine.scheduler import QueueFullError
 
 
 @pytest.fixture()

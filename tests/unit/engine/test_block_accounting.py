@@ -13,11 +13,11 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from brook_engine.block_manager import BlockManager
 from brook_engine.config import SchedulerConfig
+from brook_engine.core.scheduler import ScheduledBatch, Scheduler
+from brook_engine.core.sequence import FinishReason, Sequence, SequenceStatus
+from brook_engine.kv.blocks import BlockManager
 from brook_engine.sampling_params import SamplingParams
-from brook_engine.scheduler import ScheduledBatch, Scheduler
-from brook_engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
 def _simulate(seed: int, num_requests: int, num_blocks: int, chunked: bool) -> Scheduler:
@@ -211,4 +211,4 @@ def test_real_engine_with_random_aborts(make_tiny_model: Callable[..., Path]) ->
     engine.block_manager.check_invariants()
     assert engine.block_manager.num_free_blocks == 12
     assert engine.scheduler.num_preemptions_total > 0
-    assert not engine.runner.generators
+    assert not engine.runner.sampler.generators

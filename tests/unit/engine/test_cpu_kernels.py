@@ -19,7 +19,7 @@ from torch import nn
 
 from brook_engine import LLM, SamplingParams
 from brook_engine.config import KVDType
-from brook_engine.kv_cache import Int8Params, LayerKVCache
+from brook_engine.kv.cache import Int8Params, LayerKVCache
 from brook_engine.layers import cpu_decode, cpu_fused, cpu_kernels, linear
 from brook_engine.layers.attention import _decode_attention
 

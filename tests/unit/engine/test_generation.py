@@ -12,8 +12,8 @@ import torch
 
 from brook_engine import LLM, SamplingParams
 from brook_engine.config import ConfigError
-from brook_engine.kv_cache import LayerKVCache
-from brook_engine.llm_engine import RequestError
+from brook_engine.core.requests import RequestError
+from brook_engine.kv.cache import LayerKVCache
 from brook_engine.sampling_params import SamplingError
 
 EXACT_KV = {

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from brook_engine import LLM
 from brook_engine.config import ConfigError
-from brook_engine.kv_cache import bytes_per_token
+from brook_engine.kv.cache import bytes_per_token
 from brook_engine.metrics.prometheus import EngineMetrics
 
 POLICY = [
@@ -94,7 +94,7 @@ def test_int8_layers_are_fitted_even_with_dynamic_precision_off(tiny: Path) -> N
 
 
 def test_the_outcome_is_logged_and_exported(tiny: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="brook_engine.model_runner"):
+    with caplog.at_level(logging.INFO, logger="brook_engine.kv.setup"):
         llm = _llm(tiny, sensitivity_threshold=1e-9, fallback_dtype="bf16")
     assert "fell back: 0:fp8_e5m2→bf16" in caplog.text
     registry = CollectorRegistry()
@@ -176,7 +176,7 @@ def test_int8_attention_is_the_exact_attention_up_to_rounding() -> None:
     scaled query and turns the output back. Over keys with a large mean and one outlier
     channel, that equals attention over the real keys and values up to the rounding, which is
     finer than E4M3's with its per-token scales."""
-    from brook_engine.kv_cache import Int8Params, LayerKVCache
+    from brook_engine.kv.cache import Int8Params, LayerKVCache
 
     gen = torch.Generator().manual_seed(0)
     tokens, heads, kv_heads, dim = 48, 4, 2, 16
@@ -237,7 +237,7 @@ def test_int8_ranges_hold_at_positions_far_past_the_calibration_text() -> None:
     positions saturate far from them; fitted with the text also placed at random positions
     across the model's length (``calibration_positions``), the error at a far position
     stays small."""
-    from brook_engine.kv_calibration import LayerSample, calibration_positions, decide
+    from brook_engine.kv.calibration import LayerSample, calibration_positions, decide
     from brook_engine.layers.rotary import RotaryEmbedding
 
     dim, tokens, max_positions = 16, 128, 8192

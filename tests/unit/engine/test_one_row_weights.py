@@ -156,7 +156,7 @@ def test_an_fp16_overflow_is_recomputed_with_the_model_weights(
 def test_ignored_where_it_does_not_apply(
     make_tiny_model: Callable[..., Path], caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="brook_engine.model_runner"):
+    with caplog.at_level(logging.WARNING, logger="brook_engine.models.loader"):
         llm = LLM(
             str(make_tiny_model("llama")),
             dtype="float32",

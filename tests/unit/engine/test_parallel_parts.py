@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from brook_engine.config import ConfigError, EngineConfig, ModelFacts, parse_engine_config
-from brook_engine.layers.parallel import Shard
+from brook_engine.core.ranks import DEFAULT_PORT, GroupSpec
+from brook_engine.layers.tensor_parallel import Shard
 from brook_engine.models.arch import ModelArch
 from brook_engine.models.llama import CausalLM
 from brook_engine.models.loader import load_weights
-from brook_engine.parallel.launch import DEFAULT_PORT, GroupSpec
 from brook_engine.parallel.overlap import KINDS, RECENT_STEPS, Adaptation, Counters, OverlapMonitor
 from brook_engine.parallel.plan import SeqChunk, split_micro_batches
 from brook_engine.parallel.topology import Topology, split_layers, stage_bounds

@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from brook_engine import LLM, SamplingParams
-from brook_engine.block_manager import BlockManager
-from brook_engine.prefix_cache import PrefixCache
-from brook_engine.sequence import Sequence
+from brook_engine.core.sequence import Sequence
+from brook_engine.kv.blocks import BlockManager
+from brook_engine.kv.prefix import PrefixCache
 
 SIZE = 4
 

@@ -21,4 +21,6 @@ token the engine decoded, padding rows of a static batch included. ``elapsed_s``
 of generation only; model load and a short warm-up are in ``load_s``.
 
 Neither runner tokenizes or detokenizes: prompts arrive as token ids and outputs stay ids.
+Both read the workload and build the result with ``peer_protocol`` (standard library only, so
+``vllm_runner`` can import it from vLLM's venv as the module beside it).
 """

@@ -11,79 +11,29 @@ The workload and result formats are described in ``brook_engine.bench.peers``.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
-import os
 import resource
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
+
+from brook_engine.bench.peers.peer_protocol import (
+    Workload,
+    machine_busy_ticks,
+    other_cpu_frac,
+    process_ticks,
+    read_workload,
+    result_fields,
+    summary,
+    workload_from_args,
+)
 
 MAX_BATCH = 64
 # Warm-up covers both code paths: batch 1 and a left-padded batch (its first call is slow).
 _WARMUP_BATCHES = ([[1, 2, 3, 4]], [[1, 2, 3, 4], [1, 2]])
 _WARMUP_TOKENS = 2
-
-
-class WorkloadError(ValueError):
-    """The workload file is malformed."""
-
-
-@dataclass(frozen=True)
-class Workload:
-    model: Path
-    dtype: str
-    threads: int
-    prompts: list[list[int]]
-    max_tokens: list[int]
-    ignore_eos: bool
-    mode: str
-    return_token_ids: bool = False
-
-
-def load_workload(path: Path) -> Workload:
-    """Read and check a workload JSON file."""
-    raw = json.loads(path.read_text())
-    if not isinstance(raw, dict):
-        raise WorkloadError(f"{path}: expected a JSON object, got {type(raw).__name__}")
-    missing = {"model", "prompts", "max_tokens"} - raw.keys()
-    if missing:
-        raise WorkloadError(f"{path}: missing keys {sorted(missing)}")
-    model = Path(raw["model"])
-    if not (model / "config.json").is_file():
-        raise WorkloadError(f"{path}: 'model' {model} is not a Hugging Face model folder")
-    prompts = [[int(t) for t in p] for p in raw["prompts"]]
-    max_tokens = [int(m) for m in raw["max_tokens"]]
-    if len(prompts) != len(max_tokens) or not prompts:
-        raise WorkloadError(
-            f"{path}: 'prompts' ({len(prompts)}) and 'max_tokens' ({len(max_tokens)}) must be "
-            "non-empty lists of the same length"
-        )
-    if any(not p for p in prompts) or any(m < 1 for m in max_tokens):
-        raise WorkloadError(f"{path}: every prompt needs a token and every max_tokens must be >= 1")
-    dtype = str(raw.get("dtype", "bfloat16"))
-    if dtype not in ("float32", "bfloat16"):
-        raise WorkloadError(f"{path}: 'dtype' must be 'float32' or 'bfloat16', got {dtype!r}")
-    mode = str(raw.get("mode", "batch"))
-    if mode not in ("batch", "single"):
-        raise WorkloadError(f"{path}: 'mode' must be 'batch' or 'single', got {mode!r}")
-    threads = int(raw.get("threads", os.cpu_count() or 1))
-    if threads < 1:
-        raise WorkloadError(f"{path}: 'threads' must be >= 1, got {threads}")
-    return Workload(
-        model=model,
-        dtype=dtype,
-        threads=threads,
-        prompts=prompts,
-        max_tokens=max_tokens,
-        ignore_eos=bool(raw.get("ignore_eos", True)),
-        mode=mode,
-        return_token_ids=bool(raw.get("return_token_ids", False)),
-    )
 
 
 def _log(message: str) -> None:
@@ -97,18 +47,7 @@ def peak_rss_mb() -> float:
 
 def _cpu_ticks() -> tuple[int, int]:
     """(ticks every CPU spent busy, ticks this process spent): two /proc readings."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    busy = sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)  # less idle, iowait
-    stat = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-    return busy, int(stat[11]) + int(stat[12])  # utime + stime
-
-
-def other_cpu_frac(before: tuple[int, int], after: tuple[int, int], elapsed_s: float) -> float:
-    """Share of the machine's CPU time that other processes used between two readings:
-    near 0 on a quiet machine; well above 0 means the numbers are not trustworthy."""
-    ticks = os.sysconf("SC_CLK_TCK") * elapsed_s * (os.cpu_count() or 1)
-    others = (after[0] - before[0]) - (after[1] - before[1])
-    return max(0.0, others / ticks) if ticks > 0 else 0.0
+    return machine_busy_ticks(), process_ticks()
 
 
 def _useful_length(tokens: Sequence[int], max_tokens: int, eos_ids: set[int]) -> int:
@@ -224,46 +163,31 @@ def run(workload: Workload) -> dict[str, Any]:
     elapsed_s = time.perf_counter() - started
     ticks_after = _cpu_ticks()
 
-    prompt_tokens = sum(len(p) for p in workload.prompts)
-    result: dict[str, Any] = {
-        "engine": "hf",
-        "version": transformers.__version__,
-        "torch": torch.__version__,
-        "mode": workload.mode,
-        "dtype": workload.dtype,
-        "threads": workload.threads,
-        "requests": num_requests,
-        "prompt_tokens": prompt_tokens,
-        "output_tokens": output_tokens,
-        "useful_output_tokens": sum(workload.max_tokens),
-        "computed_output_tokens": computed_output_tokens,
-        "elapsed_s": elapsed_s,
-        "load_s": load_s,
-        "output_tok_s": output_tokens / elapsed_s,
-        "total_tok_s": (prompt_tokens + output_tokens) / elapsed_s,
-        "ttft_s": ttft_s if all(t is not None for t in ttft_s) else None,
-        "peak_rss_mb": peak_rss_mb(),
-        "other_cpu_frac": other_cpu_frac(ticks_before, ticks_after, elapsed_s),
-    }
+    result = result_fields(
+        "hf",
+        transformers.__version__,
+        torch.__version__,
+        workload,
+        output_tokens=output_tokens,
+        computed_output_tokens=computed_output_tokens,
+        elapsed_s=elapsed_s,
+        load_s=load_s,
+        ttft_s=ttft_s,
+        peak_rss_mb=peak_rss_mb(),
+        other_cpu_frac=other_cpu_frac(ticks_before, ticks_after, elapsed_s),
+    )
     if workload.return_token_ids:
         result["token_ids"] = token_ids
     return result
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Run a peer workload on HF transformers.")
-    parser.add_argument("--workload", type=Path, required=True, help="workload JSON file")
-    args = parser.parse_args(argv)
-    try:
-        workload = load_workload(args.workload)
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        print(f"error: bad workload: {exc}", file=sys.stderr)
+    path = workload_from_args("Run a peer workload on HF transformers.", argv)
+    workload = read_workload(path)
+    if workload is None:
         return 2
     result = run(workload)
-    _log(
-        f"{result['output_tokens']} output tokens in {result['elapsed_s']:.2f} s: "
-        f"{result['output_tok_s']:.1f} tok/s output, {result['total_tok_s']:.1f} tok/s total"
-    )
+    _log(summary(result))
     print(json.dumps(result), flush=True)
     return 0
 

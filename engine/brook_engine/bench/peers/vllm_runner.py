@@ -3,8 +3,9 @@
 
     .venv-vllm/bin/python engine/brook_engine/bench/peers/vllm_runner.py --workload FILE
 
-A standalone script for vLLM's own venv: it imports only the standard library, vllm and
-torch, never brook_engine. "batch" hands every request to one ``LLM.generate`` call (vLLM's
+A standalone script for vLLM's own venv: it imports only the standard library, vllm, torch
+and ``peer_protocol`` (the stdlib-only file beside it, shared with ``hf_runner``), never
+brook_engine. "batch" hands every request to one ``LLM.generate`` call (vLLM's
 continuous batching schedules them); "single" calls ``generate`` once per request. Prompts go
 in as token ids (``TokensPrompt``) and no tokenizer is loaded (``skip_tokenizer_init``), so the
 model folder needs no tokenizer and nothing is detokenized. The workload and result formats
@@ -21,13 +22,33 @@ CPU settings, each taken from the environment when already set:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
 import sys
 import time
 from pathlib import Path
+
+if __package__:  # imported as brook_engine.bench.peers.vllm_runner
+    from brook_engine.bench.peers.peer_protocol import (
+        machine_busy_ticks,
+        other_cpu_frac,
+        process_ticks,
+        read_workload,
+        result_fields,
+        summary,
+        workload_from_args,
+    )
+else:  # a plain script in vLLM's venv, without brook_engine: the module beside this file
+    from peer_protocol import (
+        machine_busy_ticks,
+        other_cpu_frac,
+        process_ticks,
+        read_workload,
+        result_fields,
+        summary,
+        workload_from_args,
+    )
 
 DEFAULT_KVCACHE_GIB = 4
 _WARMUP_PROMPT = [1, 2, 3, 4]
@@ -36,42 +57,6 @@ _WARMUP_TOKENS = 2
 
 def _log(message):
     print(f"[vllm-runner] {message}", file=sys.stderr, flush=True)
-
-
-def load_workload(path):
-    raw = json.loads(Path(path).read_text())
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}: expected a JSON object")
-    missing = {"model", "prompts", "max_tokens"} - raw.keys()
-    if missing:
-        raise ValueError(f"{path}: missing keys {sorted(missing)}")
-    if not (Path(raw["model"]) / "config.json").is_file():
-        raise ValueError(f"{path}: 'model' {raw['model']} is not a Hugging Face model folder")
-    prompts = [[int(t) for t in p] for p in raw["prompts"]]
-    max_tokens = [int(m) for m in raw["max_tokens"]]
-    if not prompts or len(prompts) != len(max_tokens):
-        raise ValueError(f"{path}: 'prompts' and 'max_tokens' must be non-empty, same length")
-    if any(not p for p in prompts) or any(m < 1 for m in max_tokens):
-        raise ValueError(f"{path}: every prompt needs a token and every max_tokens must be >= 1")
-    dtype = str(raw.get("dtype", "bfloat16"))
-    if dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"{path}: 'dtype' must be 'float32' or 'bfloat16', got {dtype!r}")
-    mode = str(raw.get("mode", "batch"))
-    if mode not in ("batch", "single"):
-        raise ValueError(f"{path}: 'mode' must be 'batch' or 'single', got {mode!r}")
-    threads = int(raw.get("threads", os.cpu_count() or 1))
-    if threads < 1:
-        raise ValueError(f"{path}: 'threads' must be >= 1")
-    return {
-        "model": str(raw["model"]),
-        "dtype": dtype,
-        "threads": threads,
-        "prompts": prompts,
-        "max_tokens": max_tokens,
-        "ignore_eos": bool(raw.get("ignore_eos", True)),
-        "mode": mode,
-        "return_token_ids": bool(raw.get("return_token_ids", False)),
-    }
 
 
 def preload_intel_openmp():
@@ -139,28 +124,10 @@ def _peak_rss_kib(pid):
     return 0
 
 
-def _proc_ticks(pid):
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0
-    return int(stat[11]) + int(stat[12])  # utime + stime
-
-
 def _cpu_ticks():
     """(ticks every CPU spent busy, ticks this process and its descendants spent)."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    busy = sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)  # less idle, iowait
     pids = [os.getpid(), *_descendants(os.getpid())]
-    return busy, sum(_proc_ticks(p) for p in pids)
-
-
-def other_cpu_frac(before, after, elapsed_s):
-    """Share of the machine's CPU time that other processes used between two readings:
-    near 0 on a quiet machine; well above 0 means the numbers are not trustworthy."""
-    ticks = os.sysconf("SC_CLK_TCK") * elapsed_s * (os.cpu_count() or 1)
-    others = (after[0] - before[0]) - (after[1] - before[1])
-    return max(0.0, others / ticks) if ticks > 0 else 0.0
+    return machine_busy_ticks(), sum(process_ticks(p) for p in pids)
 
 
 def peak_rss_mb():
@@ -171,22 +138,22 @@ def peak_rss_mb():
 
 
 def run(workload):
-    configure_cpu_env(workload["threads"])
+    configure_cpu_env(workload.threads)
     import torch
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    prompts = workload["prompts"]
-    max_tokens = workload["max_tokens"]
+    prompts = workload.prompts
+    max_tokens = workload.max_tokens
     max_model_len = max(len(p) + m for p, m in zip(prompts, max_tokens, strict=True))
     max_model_len = max(max_model_len, len(_WARMUP_PROMPT) + _WARMUP_TOKENS)
 
-    _log(f"loading {workload['model']} ({workload['dtype']}, max_model_len {max_model_len})")
+    _log(f"loading {workload.model} ({workload.dtype}, max_model_len {max_model_len})")
     load_started = time.perf_counter()
     llm = LLM(
-        model=workload["model"],
-        dtype=workload["dtype"],
+        model=str(workload.model),
+        dtype=workload.dtype,
         max_model_len=max_model_len,
         skip_tokenizer_init=True,
         seed=0,
@@ -196,7 +163,7 @@ def run(workload):
     def params(budget):
         return SamplingParams(
             max_tokens=budget,
-            ignore_eos=workload["ignore_eos"],
+            ignore_eos=workload.ignore_eos,
             temperature=0.0,
             detokenize=False,
         )
@@ -205,13 +172,13 @@ def run(workload):
         [TokensPrompt(prompt_token_ids=_WARMUP_PROMPT)], params(_WARMUP_TOKENS), use_tqdm=False
     )
     load_s = time.perf_counter() - load_started
-    _log(f"loaded and warmed up in {load_s:.2f} s; mode {workload['mode']}")
+    _log(f"loaded and warmed up in {load_s:.2f} s; mode {workload.mode}")
 
     requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     sampling = [params(m) for m in max_tokens]
     ticks_before = _cpu_ticks()
     started = time.perf_counter()
-    if workload["mode"] == "batch":
+    if workload.mode == "batch":
         outputs = llm.generate(requests, sampling, use_tqdm=False)
     else:
         outputs = []
@@ -224,53 +191,43 @@ def run(workload):
     ttft_s = []
     for i, (out, budget) in enumerate(zip(outputs, max_tokens, strict=True)):
         got = len(out.outputs[0].token_ids)
-        if workload["ignore_eos"] and got != budget:
+        if workload.ignore_eos and got != budget:
             raise RuntimeError(f"request {i} got {got} tokens, expected {budget}")
         output_tokens += got
         metrics = getattr(out, "metrics", None)
         latency = getattr(metrics, "first_token_latency", None)
         ttft_s.append(float(latency) if latency else None)
 
-    prompt_tokens = sum(len(p) for p in prompts)
     result = {
-        "engine": "vllm",
-        "version": vllm.__version__,
-        "torch": torch.__version__,
-        "mode": workload["mode"],
-        "dtype": workload["dtype"],
-        "threads": workload["threads"],
-        "requests": len(prompts),
-        "prompt_tokens": prompt_tokens,
-        "output_tokens": output_tokens,
-        "useful_output_tokens": sum(max_tokens),
-        "computed_output_tokens": output_tokens,
-        "elapsed_s": elapsed_s,
-        "load_s": load_s,
-        "output_tok_s": output_tokens / elapsed_s,
-        "total_tok_s": (prompt_tokens + output_tokens) / elapsed_s,
-        "ttft_s": ttft_s if all(t is not None for t in ttft_s) else None,
-        "peak_rss_mb": peak_rss_mb(),
-        "other_cpu_frac": other_cpu_frac(ticks_before, ticks_after, elapsed_s),
+        **result_fields(
+            "vllm",
+            vllm.__version__,
+            torch.__version__,
+            workload,
+            output_tokens=output_tokens,
+            computed_output_tokens=output_tokens,
+            elapsed_s=elapsed_s,
+            load_s=load_s,
+            ttft_s=ttft_s,
+            peak_rss_mb=peak_rss_mb(),
+            other_cpu_frac=other_cpu_frac(ticks_before, ticks_after, elapsed_s),
+        ),
         "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
         "kvcache_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
         "ld_preload": os.environ.get("LD_PRELOAD", ""),
     }
-    if workload["return_token_ids"]:
+    if workload.return_token_ids:
         result["token_ids"] = [list(out.outputs[0].token_ids) for out in outputs]
     del llm
     return result
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Run a peer workload on vLLM (CPU build).")
-    parser.add_argument("--workload", type=Path, required=True, help="workload JSON file")
-    args = parser.parse_args(argv)
+    path = workload_from_args("Run a peer workload on vLLM (CPU build).", argv)
     if argv is None:
         preload_intel_openmp()
-    try:
-        workload = load_workload(args.workload)
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        print(f"error: bad workload: {exc}", file=sys.stderr)
+    workload = read_workload(path)
+    if workload is None:
         return 2
     # Everything vLLM and its child processes write to stdout goes to stderr; the original
     # stdout carries only the result line.
@@ -278,10 +235,7 @@ def main(argv=None):
     result_fd = os.dup(1)
     os.dup2(2, 1)
     result = run(workload)
-    _log(
-        f"{result['output_tokens']} output tokens in {result['elapsed_s']:.2f} s: "
-        f"{result['output_tok_s']:.1f} tok/s output, {result['total_tok_s']:.1f} tok/s total"
-    )
+    _log(summary(result))
     with os.fdopen(result_fd, "w") as result_out:
         result_out.write(json.dumps(result) + "\n")
     return 0

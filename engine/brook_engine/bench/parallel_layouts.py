@@ -20,11 +20,10 @@ from typing import Any
 
 import torch
 
-from brook_engine.bench.command import random_workload_for
 from brook_engine.bench.run import run_engine
-from brook_engine.bench.workload import Workload
+from brook_engine.bench.workload import Workload, random_workload_for
+from brook_engine.core.llm_engine import LLMEngine
 from brook_engine.llm import engine_config_from_options
-from brook_engine.llm_engine import LLMEngine
 from brook_engine.parallel.overlap import Adaptation
 
 
