@@ -1,8 +1,15 @@
-"""What a request returns: text, token ids, finish reason, optional logprobs and timings."""
+"""What a request returns: text, token ids, finish reason, optional logprobs and timings.
+
+Each step returns an output for every request that gained tokens or ended. What that step
+added is in the ``delta_*`` fields; the whole text, token ids and logprobs (and the prompt's
+ids) are in the final output only (``finished``), so a long request costs no copy of
+everything it generated at every step."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+Logprob = tuple[float, dict[int, float]]  # (sampled token's logprob, {token: logprob} top-n)
 
 
 @dataclass
@@ -10,9 +17,9 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: str | int | None = None  # the stop string or token that ended it
-    logprobs: list[tuple[float, dict[int, float]]] | None = None
+    logprobs: list[Logprob] | None = None
 
 
 @dataclass
@@ -27,8 +34,11 @@ class RequestMetrics:
 class RequestOutput:
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
+    prompt_token_ids: list[int]  # the final output's; empty before
+    outputs: list[CompletionOutput]  # whole text, ids and logprobs in the final output
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
     delta_text: str = ""  # text added since the previous output of this request
+    delta_token_ids: list[int] = field(default_factory=list)  # tokens added since then
+    delta_logprobs: list[Logprob] | None = None  # their logprobs, when asked for
+    error: str | None = None  # why the request failed (finish reason "error")

@@ -6,6 +6,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from brook_engine.config.errors import describe_errors
 
+#: Temperatures below this sample greedily, as vLLM does.
+GREEDY_BELOW = 1e-5
+
 
 class SamplingError(ValueError):
     """Sampling parameters that cannot be honoured; the message names the field."""
@@ -23,7 +26,8 @@ class SamplingParams(BaseModel):
     """Tokens generated before EOS or stop token ids may end the request."""
 
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    """0 is greedy."""
+    """0 is greedy, and so is any temperature below ``GREEDY_BELOW`` (dividing logits by
+    a near-zero temperature would overflow them)."""
 
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     """Nucleus sampling: the smallest set of tokens whose probability reaches top_p."""
@@ -71,7 +75,7 @@ class SamplingParams(BaseModel):
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> SamplingParams:

@@ -8,6 +8,11 @@ queue between steps and runs steps while any request is unfinished; torch releas
 inside kernels, so the event loop stays responsive while a step runs. Outputs go back to the
 loop in one callback per step. Every request reaches its end: finished, aborted by its caller
 (its blocks freed at once), or failed with the error that stopped it.
+
+Outputs are deltas, and a call holds at most one undelivered output per request: later ones
+are merged into it while the caller has not read it. A caller that reads nothing for
+``stall_seconds`` while its requests go on generating (a streaming client that stopped
+reading) has its requests aborted, so a stalled client holds neither memory nor KV blocks.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from brook_engine.core.llm_engine import LLMEngine
+from brook_engine.core.output_stream import STALL_SECONDS, OutputStream, Sink
 from brook_engine.metrics.prometheus import EngineMetrics
 from brook_engine.outputs import RequestOutput
 from brook_engine.parallel.comm import ParallelGroupError
@@ -46,40 +52,6 @@ class SubRequest:
     params: SamplingParams
 
 
-_Sink = asyncio.Queue[RequestOutput | BaseException]
-
-
-class OutputStream:
-    """Outputs of one call's requests as (index, output), until all have finished.
-    ``close()`` aborts those still running and frees their blocks; call it when the caller
-    stops reading early (client gone)."""
-
-    def __init__(self, engine: AsyncEngine, sink: _Sink, request_ids: list[str]) -> None:
-        self._engine = engine
-        self._sink = sink
-        self._index = {request_id: i for i, request_id in enumerate(request_ids)}
-        self._pending = set(request_ids)
-
-    def __aiter__(self) -> OutputStream:
-        return self
-
-    async def __anext__(self) -> tuple[int, RequestOutput]:
-        if not self._pending:
-            raise StopAsyncIteration
-        item = await self._sink.get()
-        if isinstance(item, BaseException):
-            self.close()
-            raise item
-        if item.finished:
-            self._pending.discard(item.request_id)
-        return self._index[item.request_id], item
-
-    def close(self) -> None:
-        if self._pending:
-            self._engine.abort(sorted(self._pending))
-            self._pending.clear()
-
-
 class AsyncEngine:
     #: Idle seconds between heartbeats to the replica's other ranks.
     HEARTBEAT_SECONDS = 1.0
@@ -89,13 +61,15 @@ class AsyncEngine:
         engine: LLMEngine,
         metrics: EngineMetrics | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
+        stall_seconds: float = STALL_SECONDS,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.on_fatal = on_fatal
+        self.stall_seconds = stall_seconds
         self.fatal: BaseException | None = None
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._sinks: dict[str, _Sink] = {}  # engine thread only
+        self._sinks: dict[str, Sink] = {}  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopped = False
@@ -107,6 +81,7 @@ class AsyncEngine:
         cls,
         build: Callable[[], tuple[LLMEngine, EngineMetrics | None]],
         on_fatal: Callable[[BaseException], None] | None = None,
+        stall_seconds: float = STALL_SECONDS,
     ) -> AsyncEngine:
         """Run ``build`` (load, warm up, make the metrics) on a new engine thread, which then
         serves. Raises what ``build`` raised. ``on_fatal`` is called (on the event loop) if
@@ -117,7 +92,7 @@ class AsyncEngine:
         def main() -> None:
             try:
                 engine, metrics = build()
-                self = cls(engine, metrics, on_fatal)
+                self = cls(engine, metrics, on_fatal, stall_seconds)
                 self._loop = loop
                 self._thread = threading.current_thread()
                 self._record()
@@ -162,7 +137,7 @@ class AsyncEngine:
         otherwise returns the stream of their outputs."""
         if not self.is_running or self._loop is None:
             raise EngineStoppedError("the engine is not running")
-        sink: _Sink = asyncio.Queue()
+        sink = Sink(self.stall_seconds)
         accepted: asyncio.Future[None] = self._loop.create_future()
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         self._commands.put(("add", (requests, sink, accepted, arrival)))
@@ -172,7 +147,7 @@ class AsyncEngine:
         except BaseException:  # refused, or the caller was cancelled while waiting
             self._commands.put(("abort", ids))
             raise
-        return OutputStream(self, sink, ids)
+        return OutputStream(self.abort, sink, ids)
 
     def abort(self, request_ids: list[str]) -> None:
         """Abort these requests (unknown or finished ids are ignored)."""
@@ -266,7 +241,7 @@ class AsyncEngine:
     def _add(
         self,
         requests: list[SubRequest],
-        sink: _Sink,
+        sink: Sink,
         accepted: asyncio.Future[None],
         arrival: float,
     ) -> None:
@@ -285,7 +260,7 @@ class AsyncEngine:
         self._call_soon(_settle, accepted, None)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        routed: list[tuple[_Sink, RequestOutput | BaseException]] = []
+        routed: list[tuple[Sink, RequestOutput | BaseException]] = []
         for output in outputs:
             sink = self._sinks.get(output.request_id)
             if sink is None:
@@ -297,7 +272,7 @@ class AsyncEngine:
             self._call_soon(_put_all, routed)
 
     def _fail_all(self, error: BaseException) -> None:
-        routed: list[tuple[_Sink, RequestOutput | BaseException]] = []
+        routed: list[tuple[Sink, RequestOutput | BaseException]] = []
         for request_id in self.engine.abort_all():
             sink = self._sinks.pop(request_id, None)
             if sink is not None:
@@ -338,6 +313,6 @@ def _settle_with(
         future.set_exception(error or RuntimeError("the engine was not built"))
 
 
-def _put_all(routed: list[tuple[_Sink, RequestOutput | BaseException]]) -> None:
+def _put_all(routed: list[tuple[Sink, RequestOutput | BaseException]]) -> None:
     for sink, item in routed:
         sink.put_nowait(item)

@@ -13,12 +13,12 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from brook_engine.config import ConfigError, EngineConfig
 from brook_engine.config.supported import check_supported
+from brook_engine.core.engine_stats import engine_stats
 from brook_engine.core.model_runner import Flight, ModelRunner
 from brook_engine.core.ranks import GroupSpec, LocalWorkers, join_group
 from brook_engine.core.requests import Request, RequestError, check_prompt
@@ -28,7 +28,7 @@ from brook_engine.device import resolve_backend
 from brook_engine.kv.blocks import BlockManager
 from brook_engine.kv.calibration import calibration_text
 from brook_engine.kv.prefix import PrefixCache
-from brook_engine.layers.sampler import SampleResult
+from brook_engine.layers.sampler import SampleResult, SamplingFailed
 from brook_engine.metrics.stats import EngineStats, FinishedRequestStats
 from brook_engine.models.arch import ModelArch, resolve_model_folder
 from brook_engine.outputs import RequestOutput
@@ -242,41 +242,13 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """Gauges and running totals as of now (cheap; called after every step)."""
-        cache = self.block_manager.cache
-        runner = self.runner
-        return EngineStats(
-            num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
-            kv_cache_usage=self.block_manager.usage,
-            num_kv_blocks=self.block_manager.num_blocks,
-            num_prompt_tokens_total=self.num_prompt_tokens_total,
-            num_generation_tokens_total=self.num_generation_tokens_total,
-            num_preemptions_total=self.scheduler.num_preemptions_total,
-            prefix_cache_queries_total=cache.num_queries if cache else 0,
-            prefix_cache_hits_total=cache.num_hits if cache else 0,
-            prefix_cache_evictions_total=cache.num_evictions if cache else 0,
-            num_cached_blocks=self.block_manager.num_cached_blocks,
-            kv_bytes_per_token=runner.kv_bytes_per_token,
-            kv_layer_dtypes=tuple(runner.replica.layer_kinds),
-            kv_calibration_errors=tuple(runner.replica.calibration_errors or ()),
-            kv_used_bytes=runner.kv_bytes_by_dtype(self.block_manager.num_used_blocks),
-            memory_bytes=runner.memory_bytes(),
-            **self._parallel_stats(),
+        return engine_stats(
+            self.scheduler,
+            self.block_manager,
+            self.runner,
+            self.num_prompt_tokens_total,
+            self.num_generation_tokens_total,
         )
-
-    def _parallel_stats(self) -> dict[str, Any]:
-        runner = self.runner
-        if runner.comm is None:
-            return {}
-        totals, window, topo = runner.replica_counters, runner.window, runner.topology
-        return {
-            "comm_compute_overlap": window.overlap,
-            "comm_seconds_total": dict(totals.by_kind),
-            "comm_exposed_seconds_total": totals.comm_exposed,
-            "pipeline_bubble": window.bubble(topo.world_size),
-            "stage_compute_seconds_total": tuple(c / topo.tensor for c in totals.stage_compute),
-            "micro_batches": runner.micro_batches.micro_batches,
-        }
 
     def estimate_memory(self, seq_len: int, batch: int) -> dict[str, int]:
         """Bytes ``batch`` sequences of ``seq_len`` tokens take on the device under this
@@ -363,18 +335,39 @@ class LLMEngine:
             self.block_manager.cache_full_blocks(seq)
             if result is None:
                 continue
-            token = result.token_ids[0]
-            seq.token_ids.append(token)
-            self.num_generation_tokens_total += 1
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            if seq.params.logprobs is not None and result.logprobs[0] is not None:
-                seq.logprobs.append(result.logprobs[0])
             request = self._requests[seq.request_id]
-            request.detokenizer.add(token)
-            self._check_stop(request, token)
-            outputs.append(self._output(request, now))
+            try:
+                error = result.error(0)
+                if error is not None:
+                    raise SamplingFailed(error)
+                self._add_token(request, result, now)
+                outputs.append(self._output(request, now))
+            except Exception as exc:  # this request fails alone; the batch goes on
+                log.warning("request %s failed: %s", seq.request_id, exc)
+                outputs.append(self._fail(request, str(exc), now))
         return outputs
+
+    def _add_token(self, request: Request, result: SampleResult, now: float) -> None:
+        seq = request.seq
+        token = result.token_ids[0]
+        seq.token_ids.append(token)
+        self.num_generation_tokens_total += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if seq.params.logprobs is not None and result.logprobs[0] is not None:
+            seq.logprobs.append(result.logprobs[0])
+        request.detokenizer.add(token)
+        self._check_stop(request, token)
+
+    def _fail(self, request: Request, error: str, now: float) -> RequestOutput:
+        """End ``request`` with ``error`` (finish reason "error"), its blocks freed."""
+        seq = request.seq
+        self._requests.pop(seq.request_id, None)
+        if not seq.is_finished:
+            self.scheduler.finish(seq, FinishReason.ERROR)
+            self.runner.release(seq.request_id)
+            self._record_finished(seq)
+        return request.failed_output(error, now)
 
     def _check_stop(self, request: Request, token: int) -> None:
         reason = request.finish_reason(token, self.eos_token_ids, self.max_model_len)

@@ -34,6 +34,7 @@ class Request:
     prompt: str | None
     detokenizer: IncrementalDetokenizer
     emitted: int = 0  # characters of text already returned as deltas
+    emitted_tokens: int = 0  # output tokens already returned as deltas
 
     def finish_reason(
         self, token: int, eos_token_ids: frozenset[int], max_model_len: int
@@ -60,8 +61,9 @@ class Request:
             return FinishReason.LENGTH
         return None
 
-    def output(self, now: float) -> RequestOutput:
-        """The request as of now, with the text added since the last output as its delta."""
+    def output(self, now: float, error: str | None = None) -> RequestOutput:
+        """The request as of now: what it added since its last output as deltas; the whole
+        text, ids and logprobs once it has finished."""
         seq = self.seq
         finished = seq.is_finished
         text = self.detokenizer.text
@@ -69,18 +71,21 @@ class Request:
         hold = 0 if finished or not seq.params.stop else max(map(len, seq.params.stop)) - 1
         upto = max(self.emitted, len(text) - hold)
         delta, self.emitted = text[self.emitted : upto], upto
+        first_new = seq.num_prompt_tokens + self.emitted_tokens
+        self.emitted_tokens = seq.num_output_tokens
+        wants_logprobs = seq.params.logprobs is not None
         completion = CompletionOutput(
             index=0,
-            text=text,
-            token_ids=seq.output_token_ids,
+            text=text if finished else "",
+            token_ids=seq.output_token_ids if finished else [],
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
             stop_reason=seq.stop_reason,
-            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            logprobs=list(seq.logprobs) if wants_logprobs and finished else None,
         )
         return RequestOutput(
             request_id=seq.request_id,
             prompt=self.prompt,
-            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens] if finished else [],
             outputs=[completion],
             finished=finished,
             metrics=RequestMetrics(
@@ -90,4 +95,22 @@ class Request:
                 num_preemptions=seq.num_preemptions,
             ),
             delta_text=delta,
+            delta_token_ids=seq.token_ids[first_new:],
+            delta_logprobs=seq.logprobs[first_new - seq.num_prompt_tokens :]
+            if wants_logprobs
+            else None,
+            error=error,
+        )
+
+    def failed_output(self, error: str, now: float) -> RequestOutput:
+        """The last output of a request that failed (built from nothing that could fail)."""
+        seq = self.seq
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=[],
+            outputs=[CompletionOutput(0, "", [], FinishReason.ERROR.value)],
+            finished=True,
+            metrics=RequestMetrics(seq.arrival_time, seq.first_token_time, now),
+            error=error,
         )

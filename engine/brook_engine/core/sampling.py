@@ -21,7 +21,11 @@ class ChunkSampler:
         generators = [self._generator(chunk) for chunk in chunks]
         drawn = sample(logits, params, generators)
         return [
-            SampleResult([drawn.token_ids[row]], [drawn.logprobs[row]])
+            SampleResult(
+                [drawn.token_ids[row]],
+                [drawn.logprobs[row]],
+                [error] if (error := drawn.error(row)) is not None else [],
+            )
             for row in range(len(chunks))
         ]
 

@@ -19,6 +19,7 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token or a stop string
     LENGTH = "length"  # max_tokens or the model length
     ABORT = "abort"  # cancelled
+    ERROR = "error"  # this request failed (the others go on)
 
 
 @dataclass(eq=False)

@@ -1,9 +1,13 @@
 """Turn logits into tokens: greedy, or temperature / top-k / top-p sampling, each request with
-its own seeded generator so its tokens do not depend on what else is in the batch."""
+its own seeded generator so its tokens do not depend on what else is in the batch.
+
+A row that cannot be sampled (logits with NaN or +inf, no finite logit, or probabilities
+that do not form a distribution) fails alone: its error is returned in place of a token, so
+one bad request never fails the others in the batch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,6 +19,15 @@ class SampleResult:
     token_ids: list[int]
     # Per sequence, when logprobs were asked for: (sampled logprob, {token: logprob} top-n)
     logprobs: list[tuple[float, dict[int, float]] | None]
+    # Per sequence, why it could not be sampled (its token is then meaningless); empty: none
+    errors: list[str | None] = field(default_factory=list)
+
+    def error(self, row: int) -> str | None:
+        return self.errors[row] if self.errors else None
+
+
+class SamplingFailed(RuntimeError):
+    """One sequence's logits cannot be sampled."""
 
 
 def sample(
@@ -24,11 +37,20 @@ def sample(
 ) -> SampleResult:
     greedy = logits.argmax(dim=-1)
     tokens = greedy.tolist()
+    errors: list[str | None] = [None] * len(params)
+    if not bool(torch.isfinite(logits).all()):  # one pass in the common case
+        broken = torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1)
+        broken |= torch.isneginf(logits).all(-1)
+        for i in broken.nonzero().flatten().tolist():
+            errors[i] = "the model's logits for this sequence are not finite (NaN or inf)"
     for i, p in enumerate(params):
-        if not p.is_greedy:
-            tokens[i] = _sample_one(logits[i], p, generators[i])
+        if not p.is_greedy and errors[i] is None:
+            try:
+                tokens[i] = _sample_one(logits[i], p, generators[i])
+            except (SamplingFailed, RuntimeError) as exc:
+                errors[i] = f"sampling failed: {exc}"
     logprobs: list[tuple[float, dict[int, float]] | None] = [None] * len(params)
-    wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+    wanted = [i for i, p in enumerate(params) if p.logprobs is not None and errors[i] is None]
     if wanted:
         logp = torch.log_softmax(logits[wanted], dim=-1)
         for row, i in enumerate(wanted):
@@ -38,7 +60,7 @@ def sample(
                 dict(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top else {}
             )
             logprobs[i] = (float(logp[row, tokens[i]]), alternatives)
-    return SampleResult(tokens, logprobs)
+    return SampleResult(tokens, logprobs, errors if any(errors) else [])
 
 
 def _sample_one(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
@@ -53,4 +75,6 @@ def _sample_one(logits: torch.Tensor, p: SamplingParams, generator: torch.Genera
         drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+        raise SamplingFailed(f"temperature {p.temperature} leaves no distribution to draw from")
     return int(torch.multinomial(probs, 1, generator=generator).item())

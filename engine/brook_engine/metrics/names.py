@@ -47,7 +47,7 @@ REQUEST_QUEUE_TIME_SECONDS: Final = "brook_engine_request_queue_time_seconds"
 
 # Label values.
 MEMORY_KINDS: Final = ("weights", "kv_cache", "activations")
-FINISH_REASONS: Final = ("stop", "length", "abort")
+FINISH_REASONS: Final = ("stop", "length", "abort", "error")
 COMM_KINDS: Final = ("all_reduce", "all_gather", "p2p", "control")
 
 # The names the Kubernetes inference ecosystem reads: the Gateway API Inference Extension's

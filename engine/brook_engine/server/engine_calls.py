@@ -11,7 +11,8 @@ from typing import Any
 
 from starlette.requests import Request
 
-from brook_engine.core.async_engine import EngineStepError, EngineStoppedError, OutputStream
+from brook_engine.core.async_engine import EngineStepError, EngineStoppedError
+from brook_engine.core.output_stream import ClientStalledError, OutputStream, RequestFailedError
 from brook_engine.core.requests import RequestError
 from brook_engine.core.scheduler import QueueFullError
 from brook_engine.outputs import RequestOutput
@@ -132,4 +133,8 @@ def engine_failure(exc: BaseException | None) -> None:
         raise unavailable(str(exc))
     if isinstance(exc, EngineStepError):
         raise APIError(500, str(exc), code="engine_error")
+    if isinstance(exc, RequestFailedError):
+        raise APIError(500, str(exc), code="request_failed")
+    if isinstance(exc, ClientStalledError):
+        raise APIError(408, str(exc), code="client_stalled")
     raise exc

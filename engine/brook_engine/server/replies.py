@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from brook_engine.core.async_engine import OutputStream
+from brook_engine.core.output_stream import OutputStream
 from brook_engine.outputs import CompletionOutput, RequestOutput
 from brook_engine.server.engine_calls import collect, engine_failure
 from brook_engine.server.errors import APIError
@@ -122,23 +122,15 @@ async def stream_events(
 
     for choice in opening:
         yield chunk([choice])
-    sent_tokens: dict[int, int] = {}
     sent_chars: dict[int, int] = {}
     finals: dict[int, RequestOutput] = {}
     try:
         async for index, output in stream:
-            completion = output.outputs[0]
-            start = sent_tokens.get(index, 0)
-            sent_tokens[index] = len(completion.token_ids)
             offset = sent_chars.get(index, 0)
             sent_chars[index] = offset + len(output.delta_text)
             if output.finished:
                 finals[index] = output
-            new = NewTokens(
-                completion.token_ids[start:],
-                None if completion.logprobs is None else completion.logprobs[start:],
-                offset,
-            )
+            new = NewTokens(output.delta_token_ids, output.delta_logprobs, offset)
             for choice in chunk_choices(index, output, new):
                 yield chunk([choice])
         if usage_prompt_lengths is not None:

@@ -1,0 +1,55 @@
+"""What the engine reports after every step: the scheduler's queues, the KV cache's use and
+precision, memory, and under TP × PP the replica's communication figures (plain values:
+``metrics.prometheus`` turns them into metrics)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from brook_engine.core.model_runner import ModelRunner
+from brook_engine.core.scheduler import Scheduler
+from brook_engine.kv.blocks import BlockManager
+from brook_engine.metrics.stats import EngineStats
+
+
+def engine_stats(
+    scheduler: Scheduler,
+    blocks: BlockManager,
+    runner: ModelRunner,
+    num_prompt_tokens_total: int,
+    num_generation_tokens_total: int,
+) -> EngineStats:
+    cache = blocks.cache
+    return EngineStats(
+        num_running=scheduler.num_running,
+        num_waiting=scheduler.num_waiting,
+        kv_cache_usage=blocks.usage,
+        num_kv_blocks=blocks.num_blocks,
+        num_prompt_tokens_total=num_prompt_tokens_total,
+        num_generation_tokens_total=num_generation_tokens_total,
+        num_preemptions_total=scheduler.num_preemptions_total,
+        prefix_cache_queries_total=cache.num_queries if cache else 0,
+        prefix_cache_hits_total=cache.num_hits if cache else 0,
+        prefix_cache_evictions_total=cache.num_evictions if cache else 0,
+        num_cached_blocks=blocks.num_cached_blocks,
+        kv_bytes_per_token=runner.kv_bytes_per_token,
+        kv_layer_dtypes=tuple(runner.replica.layer_kinds),
+        kv_calibration_errors=tuple(runner.replica.calibration_errors or ()),
+        kv_used_bytes=runner.kv_bytes_by_dtype(blocks.num_used_blocks),
+        memory_bytes=runner.memory_bytes(),
+        **_parallel_stats(runner),
+    )
+
+
+def _parallel_stats(runner: ModelRunner) -> dict[str, Any]:
+    if runner.comm is None:
+        return {}
+    totals, window, topo = runner.replica_counters, runner.window, runner.topology
+    return {
+        "comm_compute_overlap": window.overlap,
+        "comm_seconds_total": dict(totals.by_kind),
+        "comm_exposed_seconds_total": totals.comm_exposed,
+        "pipeline_bubble": window.bubble(topo.world_size),
+        "stage_compute_seconds_total": tuple(c / topo.tensor for c in totals.stage_compute),
+        "micro_batches": runner.micro_batches.micro_batches,
+    }
