@@ -88,11 +88,13 @@ def _cmd_operator(args: argparse.Namespace) -> int:
     settings = OperatorSettings(engine_image=args.engine_image or OperatorSettings.engine_image)
     registry = CollectorRegistry()
     start_http_server(args.metrics_port, addr=args.metrics_address, registry=registry)
+    kube = KubeClient.from_environment(args.kubeconfig, timeout_seconds=args.api_timeout_seconds)
     memo = kopf.Memo(
-        reconciler=Reconciler(KubeClient.from_environment(args.kubeconfig), settings),
+        reconciler=Reconciler(kube, settings),
         metrics=OperatorMetrics(registry),
         namespaces=None if args.all_namespaces else args.namespace,
         resync_seconds=args.resync_seconds,
+        api_timeout_seconds=args.api_timeout_seconds,
     )
     del handlers  # imported for its registrations
     # An explicit identity: kopf's default asks getpass for a user name, which fails for a
@@ -221,6 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=60.0,
         help="how often every resource's status is refreshed (and a Degraded one reconciled)",
+    )
+    operator.add_argument(
+        "--api-timeout-seconds",
+        type=float,
+        default=30.0,
+        help="longest one Kubernetes API call may take (each retry gets as long again)",
     )
     operator.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     operator.set_defaults(func=_cmd_operator)

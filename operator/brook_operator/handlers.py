@@ -1,7 +1,9 @@
 """kopf glue: thin handlers that call the reconciler and record what happened.
 
 - create / update / resume of an LLMInference → ``Reconciler.reconcile`` (apply children,
-  write status); API errors retry with exponential backoff.
+  write status); retriable API errors (429, 5xx, transport) retry with exponential backoff;
+  the others (403, 404, 409, 422, a foreign object) are reported in status and left to the
+  resync, which reconciles every Degraded resource again.
 - an event on a child Deployment or LeaderWorkerSet → status of its owner (no apply).
 - deletion → nothing: children carry owner references and the garbage collector removes
   them, so no finalizer holds the resource.
@@ -28,6 +30,7 @@ from brook_operator.controller import Reconciler, ReconcileResult
 from brook_operator.controller.conditions import conditions_by_type
 from brook_operator.controller.events import post_transitions
 from brook_operator.kube import KubeClient, KubeError
+from brook_operator.kube.client import DEFAULT_TIMEOUT_SECONDS
 from brook_operator.operator_metrics import OperatorMetrics
 from brook_operator.render import OperatorSettings
 from brook_operator.render.labels import INSTANCE_LABEL
@@ -47,8 +50,15 @@ def backoff(retry: int) -> float:
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    timeout = float(memo.get("api_timeout_seconds") or DEFAULT_TIMEOUT_SECONDS)
     settings.posting.level = logging.WARNING  # our own Events say what changed
+    # kopf's own calls time out like ours; a watch that the server does not end in time
+    # (a half-open connection) is cut by the client and opened again.
+    settings.networking.request_timeout = timeout
+    settings.networking.connect_timeout = timeout
     settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 300 + timeout
+    settings.watching.connect_timeout = timeout
     settings.networking.error_backoffs = [1, 2, 5, 10, 30, 60]
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
@@ -56,7 +66,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         operator_settings = memo.get("settings") or OperatorSettings(
             engine_image=os.environ.get("BROOK_ENGINE_IMAGE") or OperatorSettings.engine_image
         )
-        memo["reconciler"] = Reconciler(KubeClient.from_environment(), operator_settings)
+        memo["reconciler"] = Reconciler(
+            KubeClient.from_environment(timeout_seconds=timeout), operator_settings
+        )
     if "metrics" not in memo:
         from prometheus_client import CollectorRegistry
 
@@ -78,6 +90,8 @@ def reconcile(body: kopf.Body, memo: kopf.Memo, retry: int, **_: Any) -> None:
     except KubeError as exc:  # the status write itself failed
         metrics.api_error(exc)
         metrics.reconciles.labels("error").inc()
+        if not exc.retriable:
+            raise kopf.PermanentError(str(exc)) from None
         raise kopf.TemporaryError(str(exc), delay=backoff(retry)) from None
     finally:
         metrics.duration.observe(time.perf_counter() - started)
@@ -92,8 +106,14 @@ def reconcile(body: kopf.Body, memo: kopf.Memo, retry: int, **_: Any) -> None:
     post_transitions(reconciler.kube, dict(body), before, result.status)
     if result.error is not None:
         metrics.api_error(result.error)
+    if result.error is not None and result.error.retriable:
         metrics.reconciles.labels("error").inc()
         raise kopf.TemporaryError(str(result.error), delay=backoff(retry))
+    if result.error is not None or (result.problem is not None and not result.applied):
+        # Retrying would meet the same answer: status says what to do; the resync tries
+        # again every resync_seconds.
+        metrics.reconciles.labels("error").inc()
+        return
     metrics.reconciles.labels("applied" if spec_valid else "invalid").inc()
 
 
@@ -150,6 +170,10 @@ def leader_worker_set_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> Non
 async def start_loops(memo: kopf.Memo, **_: Any) -> None:
     stop = asyncio.Event()
     memo["loops_stop"] = stop
+    timeout = float(memo.get("api_timeout_seconds") or DEFAULT_TIMEOUT_SECONDS)
+    # A round waits for one resource as long as a few of its calls may take.
+    memo.setdefault("round_timeout_seconds", 4 * timeout)
+    loops.runner(memo)
     memo["loop_tasks"] = [
         asyncio.create_task(loops.resync(memo, stop)),
         asyncio.create_task(loops.autoscale(memo, stop)),
@@ -162,3 +186,4 @@ async def stop_loops(memo: kopf.Memo, **_: Any) -> None:
     if stop is not None:
         stop.set()
         await asyncio.gather(*memo["loop_tasks"])
+        await memo["runner"].close()

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from brook_operator.api import GROUP, PLURAL
 from brook_operator.render.workload import LWS_GROUP
 
-#: Server-side apply of a child: create when it is new, patch after.
-APPLY_VERBS = ("create", "patch")
+#: A child is read first (Brook writes only objects it owns), then server-side applied:
+#: create when it is new, patch after.
+APPLY_VERBS = ("get", "create", "patch")
 #: The workload also has its status read, its events followed (kopf lists and watches it)
 #: and is deleted when the topology changes kind (Deployment ↔ LeaderWorkerSet).
 WORKLOAD_VERBS = ("get", "list", "watch", "create", "patch", "delete")
@@ -44,6 +45,7 @@ NAMESPACED_RULES: tuple[Rule, ...] = (
     # The children.
     Rule("", ("configmaps", "services"), APPLY_VERBS),
     Rule("policy", ("poddisruptionbudgets",), APPLY_VERBS),
+    Rule("networking.k8s.io", ("networkpolicies",), APPLY_VERBS),
     Rule("apps", ("deployments",), WORKLOAD_VERBS),
     Rule(LWS_GROUP, ("leaderworkersets",), WORKLOAD_VERBS),
     # The autoscaler lists the leader pods to scrape their /metrics, and before a scale-in

@@ -1,5 +1,5 @@
 """Queue bound (429), graceful drain on SIGTERM (in-flight requests finish, new ones get
-503, exit 0), and the drain timeout."""
+503, exit 0), the drain timeout, and SIGTERM while the model still loads."""
 
 from __future__ import annotations
 
@@ -132,3 +132,32 @@ def test_the_drain_timeout_ends_what_is_left(
     assert events[-1]["error"]["code"] == "unavailable"
     assert len(events) < 4000
     assert "drain timeout" in server.log()
+
+
+@pytest.fixture(scope="module")
+def large_model(make_tiny_model: Any) -> Path:
+    """Large enough that loading it leaves time to act before the server is ready."""
+    sizes = {"num_hidden_layers": 8, "num_attention_heads": 16, "intermediate_size": 1536}
+    return Path(make_tiny_model("llama", max_position_embeddings=4096, **sizes))
+
+
+def test_sigterm_while_the_model_loads_exits_0(
+    server_factory: Any, large_model: Path, tmp_path: Path
+) -> None:
+    server = server_factory(large_model, tmp_path, wait=False)
+    deadline = time.monotonic() + 120
+    while True:
+        assert server.proc.poll() is None, server.log()[-3000:]
+        assert time.monotonic() < deadline, "/health never answered"
+        try:
+            if server.get("/health", auth=False)[0] == 200:
+                break
+        except OSError:
+            pass
+        time.sleep(0.01)
+    assert server.get("/ready", auth=False)[0] == 503  # still loading
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(timeout=120) == 0, server.log()[-3000:]
+    log = server.log()
+    assert "terminate called" not in log
+    assert "model load stopped" in log, log[-3000:]

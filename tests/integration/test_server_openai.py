@@ -158,6 +158,22 @@ def test_api_key_is_required_but_probes_are_open(api_server: Any) -> None:
         assert api_server.get(path, auth=False)[0] == 200
 
 
+def test_cache_salt_keeps_cached_prefixes_apart(api_server: Any) -> None:
+    prompt = list(range(40, 88))  # three full KV blocks no other test sends
+
+    def hits(**salt: str) -> float:
+        before = wait_idle(api_server)["brook_engine_prefix_cache_hits_total"]
+        client(api_server).completions.create(
+            model="tiny", prompt=prompt, max_tokens=3, temperature=0, extra_body=salt
+        )
+        return wait_idle(api_server)["brook_engine_prefix_cache_hits_total"] - before
+
+    assert hits(cache_salt="tenant-a") == 0  # the first time: nothing cached
+    assert hits(cache_salt="tenant-b") == 0  # another tenant shares nothing
+    assert hits() == 0  # nor does an unsalted request
+    assert hits(cache_salt="tenant-a") >= 32  # the same tenant finds its blocks
+
+
 def test_64_concurrent_streams_are_all_accounted_for(api_server: Any) -> None:
     before = wait_idle(api_server)
 

@@ -88,24 +88,27 @@ def start_server(
     port: int | None = None,
     env: dict[str, str] | None = None,
     wait: bool = True,
+    server: dict[str, Any] | None = None,
     **sections: Any,
 ) -> ServerProcess:
     """A ready ``brook-engine serve`` on ``host`` (any loopback address) and ``port`` (a
-    free one by default); ``env`` adds to its environment; ``wait=False`` returns at once."""
+    free one by default); ``env`` adds to its environment; ``server`` to its server section;
+    ``wait=False`` returns at once."""
     port = port or free_port()
-    server: dict[str, Any] = {
+    server_section: dict[str, Any] = {
         "host": host,
         "port": port,
         "drainTimeoutSeconds": drain_timeout,
+        **(server or {}),
     }
     if api_key is not None:
         key_file = folder / "api-key"
         key_file.write_text(api_key + "\n")
-        server["apiKey"] = {"file": str(key_file)}
+        server_section["apiKey"] = {"file": str(key_file)}
     config = {
         "model": {"uri": str(model), "servedName": "tiny", "dtype": "float32"},
         "device": "cpu",
-        "server": server,
+        "server": server_section,
         "kvCache": {"numBlocks": 256, "blockSize": 16},
         **sections,
     }

@@ -110,13 +110,17 @@ compares them). Change them there first.
 - apiGroups: ["brook.dev"]
   resources: ["llminferences/status"]
   verbs: ["patch"]
-# The children: server-side apply (create, then patch).
+# The children: read first (Brook writes only objects it owns), then server-side apply
+# (create, then patch).
 - apiGroups: [""]
   resources: ["configmaps", "services"]
-  verbs: ["create", "patch"]
+  verbs: ["get", "create", "patch"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["create", "patch"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "create", "patch"]
 # The workload: applied, followed, and deleted when the topology changes kind.
 - apiGroups: ["apps"]
   resources: ["deployments"]

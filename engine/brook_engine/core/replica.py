@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 from brook_engine.config import EngineConfig, KVDType
 from brook_engine.layers.tensor_parallel import Shard
@@ -54,31 +53,33 @@ class ReplicaFacts:
     weight_bytes: int
 
 
+@dataclass(frozen=True)
+class RankFacts:
+    """One rank's facts, as it sends them to rank 0."""
+
+    stage: int
+    tp_rank: int
+    facts: ReplicaFacts
+
+
 def gather_replica_facts(local: ReplicaFacts, comm: Communicator | None) -> ReplicaFacts:
     """Every rank calls it with its own facts; rank 0 gets the replica's, the others their
     own back."""
     if comm is None:
         return local
     topology = comm.topology
-    everyone = comm.gather_object(
-        {
-            "stage": topology.stage,
-            "tp_rank": topology.tp_rank,
-            "kinds": list(local.layer_kinds),
-            "errors": local.calibration_errors,
-            "kv_bytes": local.kv_bytes_per_token,
-            "weight_bytes": local.weight_bytes,
-        }
-    )
+    mine = RankFacts(topology.stage, topology.tp_rank, local)
+    everyone: list[RankFacts] | None = comm.gather_object(mine, RankFacts)
     if everyone is None:
         return local
     kinds: list[KVDType] = []
     errors: list[float | None] | None = [] if local.calibration_errors is not None else None
     for stage in range(topology.pipeline):
-        ranks: list[dict[str, Any]] = [r for r in everyone if r["stage"] == stage]
-        kinds += next(r["kinds"] for r in ranks if r["tp_rank"] == 0)
+        ranks = [r for r in everyone if r.stage == stage]
+        kinds += next(r.facts.layer_kinds for r in ranks if r.tp_rank == 0)
         if errors is not None:
-            per_rank = [r["errors"] for r in ranks]
+            per_rank = [r.facts.calibration_errors for r in ranks]
+            per_rank = [e for e in per_rank if e is not None]
             for layer_errors in zip(*per_rank, strict=True):
                 known = [e for e in layer_errors if e is not None]
                 errors.append(max(known) if known else None)
@@ -92,6 +93,6 @@ def gather_replica_facts(local: ReplicaFacts, comm: Communicator | None) -> Repl
     return ReplicaFacts(
         kinds,
         errors,
-        sum(r["kv_bytes"] for r in everyone),
-        sum(r["weight_bytes"] for r in everyone),
+        sum(r.facts.kv_bytes_per_token for r in everyone),
+        sum(r.facts.weight_bytes for r in everyone),
     )

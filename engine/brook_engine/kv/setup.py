@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 class RankGroup(Protocol):
     """What setting up needs of a replica's ranks (``parallel.comm.Communicator``)."""
 
-    def broadcast_object(self, obj: Any) -> Any: ...
+    def broadcast_object(self, obj: Any, kind: Any) -> Any: ...
 
     def min_int(self, value: int) -> int: ...
 
@@ -68,7 +68,7 @@ def set_up_kv_cache(
     """``policy``: every layer's dtype in the whole model; ``layout``: this rank's."""
     calibrating = config.kv_cache.needs_calibration
     if group is not None and calibrating:
-        calibration_ids = group.broadcast_object(calibration_ids)
+        calibration_ids = group.broadcast_object(calibration_ids, list[int] | None)
     if "int8" in policy:  # every rank checks the whole policy: all of them stop alike
         check_int8_calibration(calibration_ids, max_model_len)
     calibration = None

@@ -3,7 +3,8 @@ the overlap monitor.
 
 A failure of any of them (a peer died, or did not answer within ``parallel.timeoutSeconds``)
 is raised as ``ParallelGroupError``: the replica cannot go on without that rank, so the
-engine treats it as fatal.
+engine treats it as fatal. So is a host message that is not what the receiver expects: host
+messages are JSON read strictly into their types (``parallel.wire``), never pickle.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
-import pickle
 import queue
 import socket
 import threading
@@ -25,7 +25,9 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from brook_engine.parallel import wire
 from brook_engine.parallel.overlap import Counters, OverlapMonitor
+from brook_engine.parallel.plan import StepPlan, StepResults
 from brook_engine.parallel.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -37,10 +39,9 @@ class ParallelGroupError(RuntimeError):
     """A rank of the replica failed or stopped answering."""
 
 
-# Tags of the host messages between ranks (activations use the micro-batch index).
-_TAG_PLAN_SIZE, _TAG_PLAN = 1, 2
-_TAG_RESULT_SIZE, _TAG_RESULT = 1001, 1002
-_TAG_COUNTERS = 1003
+# Tags of the host messages between ranks (activations use the micro-batch index); a
+# message's bytes follow its length, with the next tag.
+_TAG_PLAN_SIZE, _TAG_RESULT_SIZE, _TAG_COUNTERS, _TAG_START_SIZE = 1, 1001, 1003, 1004
 
 
 @dataclass(frozen=True)
@@ -204,31 +205,35 @@ class Communicator:
 
     # -- control -------------------------------------------------------------------------
 
-    def broadcast_object(self, obj: Any) -> Any:
-        """Rank 0's object to every rank (rank 0 passes it, the others pass None); a
+    def broadcast_object(self, obj: Any, kind: Any) -> Any:
+        """Rank 0's ``obj``, of type ``kind``, to every rank (the others pass None); a
         collective, for start-up only: step plans go by ``send_plan``."""
-        box = [obj]
-        _guard("broadcast", lambda: dist.broadcast_object_list(box, src=0, group=self.plan_group))
-        return box[0]
+        if not self.topology.is_driver:
+            return self._recv_encoded(0, _TAG_START_SIZE, self.plan_group, "broadcast", kind)
+        for dst in range(1, self.topology.world_size):
+            self._send_encoded(obj, dst, _TAG_START_SIZE, self.plan_group, "broadcast").wait()
+        return obj
 
-    def send_plan(self, plan: Any, keep: int = 1) -> None:
+    def send_plan(self, plan: StepPlan, keep: int = 1) -> None:
         """Rank 0: send a step plan to every other rank without waiting for them to take it,
         so rank 0 can run ahead of the later stages by up to ``keep`` plans (sends older
         than that are waited for here, which also surfaces a lost rank)."""
         start = time.perf_counter()
-        size, payload = _encode(plan)
-        works = []
-        for dst in range(1, self.topology.world_size):
-            works.append(self._isend(size, dst, _TAG_PLAN_SIZE, self.plan_group, "step-plan send"))
-            works.append(self._isend(payload, dst, _TAG_PLAN, self.plan_group, "step-plan send"))
+        size, payload = wire.to_tensors(plan)
+        works = [
+            self._isend(tensor, dst, _TAG_PLAN_SIZE + i, self.plan_group, "step-plan send")
+            for dst in range(1, self.topology.world_size)
+            for i, tensor in enumerate((size, payload))
+        ]
         self._plan_sends.append(Sent(works, [size, payload], "step-plan send"))
         while len(self._plan_sends) > max(1, keep):
             self._plan_sends.popleft().wait()
         self.monitor.control(time.perf_counter() - start)
 
-    def recv_plan(self) -> Any:
+    def recv_plan(self) -> StepPlan:
         """The next step plan from rank 0 (waits as long as the replica idles)."""
-        return self._recv_encoded(0, _TAG_PLAN_SIZE, _TAG_PLAN, self.plan_group, "step-plan")
+        plan: StepPlan = self._recv_encoded(0, _TAG_PLAN_SIZE, self.plan_group, "plan", StepPlan)
+        return plan
 
     def drain_plans(self, timeout_seconds: float) -> None:
         """Wait until every plan sent so far was taken (before leaving the group)."""
@@ -237,20 +242,15 @@ class Communicator:
             self._plan_sends.popleft().wait(limit)
 
     def send_object(self, obj: Any, dst: int) -> Sent:
-        """Send a host object (the sampled tokens) without waiting for ``dst`` to take it."""
+        """Send the sampled tokens (``StepResults``) without waiting for ``dst`` to take it."""
         start = time.perf_counter()
-        size, payload = _encode(obj)
-        group = self.control_group
-        works = [
-            self._isend(size, dst, _TAG_RESULT_SIZE, group, "result send"),
-            self._isend(payload, dst, _TAG_RESULT, group, "result send"),
-        ]
+        sent = self._send_encoded(obj, dst, _TAG_RESULT_SIZE, self.control_group, "result send")
         self.monitor.control(time.perf_counter() - start)
-        return Sent(works, [size, payload], "result send")
+        return sent
 
     def recv_object(self, src: int) -> Any:
-        """(Untimed: the wait is the pipeline's latency; the sender times the message.)"""
-        return self._recv_encoded(src, _TAG_RESULT_SIZE, _TAG_RESULT, self.control_group, "result")
+        """``src``'s sampled tokens (untimed: the wait is the pipeline's latency)."""
+        return self._recv_encoded(src, _TAG_RESULT_SIZE, self.control_group, "result", StepResults)
 
     def send_counters(self, counters: Counters) -> Sent:
         """A rank's overlap counters to rank 0, without waiting."""
@@ -259,8 +259,7 @@ class Communicator:
         return Sent([work], [tensor], "counter send")
 
     def recv_counters(self, like: Counters) -> Counters:
-        """Rank 0: ``like`` (its own counters) plus every other rank's, as sent for the
-        same step."""
+        """Rank 0: ``like`` (its own counters) plus every other rank's for the same step."""
         total = torch.tensor(like.vector(), dtype=torch.float64)
         for src in range(1, self.topology.world_size):
             part = torch.empty_like(total)
@@ -275,28 +274,35 @@ class Communicator:
         work = _guard(what, lambda: dist.irecv(tensor, src, group=group, tag=tag))
         _wait(work, what)
 
-    def _recv_encoded(self, src: int, size_tag: int, tag: int, group: Any, what: str) -> Any:
-        size = torch.empty(1, dtype=torch.long)
-        self._recv(size, src, size_tag, group, f"{what} receive")
-        payload = torch.empty(int(size.item()), dtype=torch.uint8)
-        self._recv(payload, src, tag, group, f"{what} receive")
-        return pickle.loads(payload.numpy().tobytes())
+    def _send_encoded(self, obj: Any, dst: int, size_tag: int, group: Any, what: str) -> Sent:
+        """A host message: its length (tag ``size_tag``), then its bytes (``size_tag + 1``)."""
+        tensors = wire.to_tensors(obj)
+        works = [self._isend(t, dst, size_tag + i, group, what) for i, t in enumerate(tensors)]
+        return Sent(works, list(tensors), what)
 
-    def gather_object(self, obj: Any) -> list[Any] | None:
-        """Every rank's ``obj`` at rank 0, by rank (None on the others)."""
-        box: list[Any] | None = (
-            [None] * self.topology.world_size if self.topology.is_driver else None
-        )
-        _guard("gather", lambda: dist.gather_object(obj, box, dst=0, group=self.control_group))
-        return box
+    def _recv_encoded(self, src: int, size_tag: int, group: Any, what: str, kind: Any) -> Any:
+        """The host message from ``src``, read as ``kind`` (a bad one ends the replica)."""
+        size, receive, where = wire.size_tensor(), f"{what} receive", f"{what} from rank {src}"
+        self._recv(size, src, size_tag, group, receive)
+        payload = _guard(receive, lambda: wire.buffer(size, where))
+        self._recv(payload, src, size_tag + 1, group, receive)
+        return _guard(receive, lambda: wire.decode_tensor(payload, kind, where))
+
+    def gather_object(self, obj: Any, kind: Any) -> list[Any] | None:
+        """Every rank's ``obj`` (of type ``kind``) at rank 0, by rank (None on the others)."""
+        group = self.control_group
+        if not self.topology.is_driver:
+            self._send_encoded(obj, 0, _TAG_START_SIZE, group, "gather").wait()
+            return None
+        return [obj] + [
+            self._recv_encoded(src, _TAG_START_SIZE, group, "gather", kind)
+            for src in range(1, self.topology.world_size)
+        ]
 
     def min_int(self, value: int) -> int:
         """The smallest of every rank's ``value``."""
-        tensor = torch.tensor([value], dtype=torch.long)
-        _guard(
-            "all-reduce",
-            lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.control_group),
-        )
+        tensor, group = torch.tensor([value], dtype=torch.long), self.control_group
+        _guard("all-reduce", lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group))
         return int(tensor.item())
 
     def close(self) -> None:
@@ -313,12 +319,6 @@ def _wait(work: Any, what: str, timeout: timedelta | None = None) -> None:
         _guard(what, work.wait)
     else:
         _guard(what, lambda: work.wait(timeout))
-
-
-def _encode(obj: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return torch.tensor([len(data)], dtype=torch.long), payload
 
 
 class Sent:

@@ -1,5 +1,6 @@
-"""What rank 0 tells the other ranks each step (torch-free, pickled over the control
-channel): the sequences' new tokens, where their KV goes, who samples and how."""
+"""What rank 0 tells the other ranks each step, and what the sampler sends back (torch-free,
+sent as JSON over the control channel: ``parallel.wire``): the sequences' new tokens, where
+their KV goes, who samples and how; the sampled tokens."""
 
 from __future__ import annotations
 
@@ -35,6 +36,28 @@ class StepPlan:
     released: list[str] = field(default_factory=list)  # requests whose sampler state to drop
     report: bool = False  # reduce the overlap counters at rank 0 after this step
     blocking_sends: bool = False  # send activations synchronously (a benchmark baseline)
+
+
+@dataclass
+class SampleResult:
+    """The sampler's answer for one chunk, as rank 0 reads it from the last stage.
+
+    ``layers.sampler.SampleResult`` has the same fields and methods (a test keeps them so):
+    the layers sit above ``parallel``, so the wire's type is declared here."""
+
+    token_ids: list[int]
+    # Per sequence, when logprobs were asked for: (sampled logprob, {token: logprob} top-n)
+    logprobs: list[tuple[float, dict[int, float]] | None]
+    # Per sequence, why it could not be sampled (its token is then meaningless); empty: none
+    errors: list[str | None] = field(default_factory=list)
+
+    def error(self, row: int) -> str | None:
+        return self.errors[row] if self.errors else None
+
+
+#: What the last stage's sampler sends rank 0 each step: per chunk of the plan, in its
+#: order, the sampled result (None for a prefill chunk that does not sample).
+StepResults = list[SampleResult | None]
 
 
 def split_micro_batches(chunks: list[SeqChunk], count: int) -> list[list[SeqChunk]]:

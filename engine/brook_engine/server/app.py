@@ -5,7 +5,12 @@
 /health: the process is up (and its engine thread, once started, is alive).
 /ready: the model is loaded and warmed up, and the server is not draining.
 /metrics: Prometheus text. The API and /v1/models need the API key when one is configured;
-probes and metrics do not (kubelet and Prometheus do not carry it).
+probes do not (the kubelet does not carry it), nor metrics unless
+``server.metricsRequireApiKey``. API calls beyond ``server.maxConcurrentRequests`` get 503.
+
+A shutdown while the model loads stops the load at its next step (between building the
+engine and warming it up) and waits for the loading thread, so the process never exits
+with native code still running on it.
 """
 
 from __future__ import annotations
@@ -13,55 +18,38 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
+import threading
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Lifespan
 
 from brook_engine import __version__
-from brook_engine.config import ConfigError, EngineConfig
-from brook_engine.config.server import ApiKeyConfig
+from brook_engine.config import EngineConfig
 from brook_engine.core.async_engine import AsyncEngine
 from brook_engine.core.llm_engine import LLMEngine
 from brook_engine.core.ranks import GroupSpec
 from brook_engine.metrics.prometheus import EngineMetrics
 from brook_engine.models.arch import resolve_model_folder
+from brook_engine.server.auth import ApiKey
 from brook_engine.server.errors import APIError
-from brook_engine.server.openai_routes import MAX_BODY_BYTES, openai_routes
+from brook_engine.server.limits import ConcurrencyLimit
+from brook_engine.server.openai_routes import openai_routes
 from brook_engine.server.probe_routes import metrics_route, probe_routes
 from brook_engine.server.state import ServerState
 
-__all__ = ["MAX_BODY_BYTES", "build_app", "read_api_key", "served_name"]
+__all__ = ["build_app", "served_name"]
 
 log = logging.getLogger(__name__)
 
 
-def read_api_key(config: ApiKeyConfig | None) -> str | None:
-    """The key from its file or environment variable; ``ConfigError`` if it is not there.
-    The key is never logged."""
-    if config is None:
-        return None
-    if config.env is not None:
-        key = os.environ.get(config.env, "").strip()
-        where = f"environment variable {config.env}"
-    else:
-        assert config.file is not None
-        try:
-            key = Path(config.file).read_text("utf-8").strip()
-        except OSError as exc:
-            raise ConfigError(
-                f"server.apiKey.file: cannot read {config.file}: {exc.strerror}"
-            ) from None
-        where = f"file {config.file}"
-    if not key:
-        raise ConfigError(f"server.apiKey: the {where} is empty; put the key there")
-    return key
+class _LoadStopped(Exception):
+    """The server began shutting down while the model was loading."""
 
 
 def served_name(config: EngineConfig) -> str:
@@ -76,14 +64,16 @@ def build_app(
 ) -> Starlette:
     """The server for ``config``. The model loads when the app starts (its lifespan);
     ``on_fatal`` is told if loading fails."""
-    api_key = read_api_key(config.server.api_key)
+    api_key = ApiKey(config.server.api_key)
     registry = registry if registry is not None else CollectorRegistry()
     state = ServerState(served_name(config))
-    routes = [*probe_routes(state), *openai_routes(state, api_key)]
+    routes = [*probe_routes(state), *openai_routes(state, api_key, config.server)]
     if config.server.metrics:
-        routes.append(metrics_route(registry))
+        guarded = config.server.metrics_require_api_key and api_key.is_set
+        routes.append(metrics_route(registry, api_key.authorize if guarded else None))
     app = Starlette(
         routes=routes,
+        middleware=[Middleware(ConcurrencyLimit, limit=config.server.max_concurrent_requests)],
         lifespan=_lifespan(config, state, registry, on_fatal, group),
         exception_handlers={
             APIError: _api_error,
@@ -102,7 +92,8 @@ def _lifespan(
     on_fatal: Callable[[BaseException], None] | None,
     group: GroupSpec | None,
 ) -> Lifespan[Starlette]:
-    """Load the model in the background while the server starts; stop the engine at exit."""
+    """Load the model in the background while the server starts; at exit stop the load (at
+    its next step, waiting for it up to the drain timeout) or the engine, and its thread."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -110,10 +101,19 @@ def _lifespan(
         try:
             yield
         finally:
+            state.is_draining = True  # a load still running stops at its next step
             if not loader.done():
-                loader.cancel()
+                timeout = config.server.drain_timeout_seconds
+                try:
+                    await asyncio.wait_for(asyncio.shield(loader), timeout)
+                except TimeoutError:
+                    log.warning("the model load did not stop within %.0f s", timeout)
+                    loader.cancel()  # the engine, if it is ever built, stops at once
             if state.engine is not None:
                 await state.engine.stop()
+            thread = state.engine_thread
+            if thread is not None and loader.done() and not loader.cancelled():
+                await asyncio.to_thread(thread.join, 10)
 
     return lifespan
 
@@ -125,22 +125,36 @@ async def _load(
     on_fatal: Callable[[BaseException], None] | None,
     group: GroupSpec | None,
 ) -> None:
+    def check_stop() -> None:
+        if state.is_draining:
+            raise _LoadStopped
+
     try:
         warm_up_s = 0.0
 
-        def build() -> tuple[LLMEngine, EngineMetrics]:
+        def build() -> tuple[LLMEngine, EngineMetrics]:  # on the engine thread
             nonlocal warm_up_s
+            state.engine_thread = threading.current_thread()
+            check_stop()
             engine = LLMEngine(config, group=group)
-            warm_up_s = engine.warm_up()
-            return engine, EngineMetrics(registry, _info(config, engine))
+            try:
+                check_stop()
+                warm_up_s = engine.warm_up()
+                return engine, EngineMetrics(registry, _info(config, engine))
+            except BaseException:
+                engine.shutdown()
+                raise
 
         state.engine = await AsyncEngine.launch(build, on_fatal)
+        check_stop()
         engine = state.engine.engine
         state.tokenizer = engine.tokenizer
         state.max_model_len = engine.max_model_len
         state.vocab_size = engine.arch.vocab_size
         state.is_ready = True
         log.info("ready: %s (warm-up %.2f s)", state.served_name, warm_up_s)
+    except _LoadStopped:
+        log.info("model load stopped: the server is shutting down")
     except Exception as exc:
         log.error("the model failed to load: %s", exc)
         if on_fatal is not None:

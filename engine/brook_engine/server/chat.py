@@ -37,6 +37,8 @@ def _render(tokenizer: Tokenizer, req: ChatCompletionRequest) -> list[int]:
         text = tokenizer.apply_chat_template(messages, req.add_generation_prompt)
     except ChatTemplateError as exc:
         raise invalid(str(exc), "messages") from None
+    except RecursionError:
+        raise invalid("nested too deeply to render; flatten it", "messages") from None
     # The template writes any BOS itself.
     return tokenizer.encode(text, add_special_tokens=False)
 

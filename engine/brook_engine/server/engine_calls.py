@@ -47,6 +47,7 @@ def sampling_params(
                 "ignore_eos": req.ignore_eos,
                 "logprobs": logprobs,
                 "skip_special_tokens": req.skip_special_tokens,
+                "cache_salt": req.cache_salt,
             }
         )
     except SamplingError as exc:

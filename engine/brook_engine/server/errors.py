@@ -1,8 +1,8 @@
 """Errors in the OpenAI shape: ``{"error": {"message", "type", "param", "code"}}``.
 
 Status codes: 400 invalid request (the field in ``param``), 401 API key missing or wrong,
-404 unknown model or path, 405 wrong method, 413 body too large, 429 waiting queue full,
-500 engine failure, 503 not ready or draining.
+404 unknown model or path, 405 wrong method, 408 body too slow to arrive, 413 body too large,
+429 waiting queue full, 500 engine failure, 503 not ready, draining or at the request limit.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ _TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
@@ -57,6 +58,15 @@ class APIError(Exception):
 
 def invalid(message: str, param: str | None, code: str = "invalid_value") -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def nested_too_deeply() -> APIError:
+    return invalid(
+        "the body is nested too deeply to read (arrays and objects inside one another "
+        "hundreds of levels down); flatten it",
+        None,
+        code="invalid_json",
+    )
 
 
 def unavailable(message: str) -> APIError:

@@ -2,11 +2,12 @@
 
 /health: the process is up (and its engine thread, once started, is alive).
 /ready: the model is loaded and warmed up, and the server is not draining.
-/metrics: Prometheus text.
+/metrics: Prometheus text; asks for the API key only with ``server.metricsRequireApiKey``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -24,8 +25,11 @@ def probe_routes(state: ServerState) -> list[Route]:
     ]
 
 
-def metrics_route(registry: CollectorRegistry) -> Route:
-    return Route("/metrics", partial(metrics, registry), methods=["GET"])
+def metrics_route(
+    registry: CollectorRegistry, authorize: Callable[[Request], None] | None = None
+) -> Route:
+    """/metrics; ``authorize`` raises for a request that may not read them."""
+    return Route("/metrics", partial(metrics, registry, authorize), methods=["GET"])
 
 
 async def health(state: ServerState, request: Request) -> Response:
@@ -44,5 +48,9 @@ async def ready(state: ServerState, request: Request) -> Response:
     return JSONResponse({"status": "ready"})
 
 
-async def metrics(registry: CollectorRegistry, request: Request) -> Response:
+async def metrics(
+    registry: CollectorRegistry, authorize: Callable[[Request], None] | None, request: Request
+) -> Response:
+    if authorize is not None:
+        authorize(request)
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -4,7 +4,8 @@ Strict: unknown fields and wrong types are refused with the field named, rather 
 ignored. Fields the engine cannot honour are accepted only at their neutral value
 (``presence_penalty: 0``, ``logit_bias: {}``...), so clients that send the defaults work and
 clients that rely on them learn at once. vLLM's extensions (``top_k``, ``min_tokens``,
-``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``) are accepted too.
+``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``, ``cache_salt``) are accepted
+too.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = Field(default=None, max_length=64)
     skip_special_tokens: bool = True
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    """Mixed into the prefix-cache keys: only requests with the same salt share cached KV."""
 
     @field_validator("stop")
     @classmethod

@@ -3,23 +3,31 @@ and a graceful drain on SIGTERM (or Ctrl-C).
 
 On the first signal the server keeps listening but answers new API calls with 503 (and
 /ready with 503, so Kubernetes stops routing to it), lets in-flight requests finish for up to
-``server.drainTimeoutSeconds``, aborts what is left, and exits 0. A second Ctrl-C exits at
-once.
+``server.drainTimeoutSeconds``, aborts what is left, and exits 0; a model still loading stops
+at its next step. A second Ctrl-C exits at once.
+
+uvicorn runs with the server's limits: at most ``maxConnections`` connections, idle
+keep-alive ones closed after ``keepAliveTimeoutSeconds``, and request headers that must be
+complete within ``headerReadTimeoutSeconds`` (``limits``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import sys
 from types import FrameType
 
 import uvicorn
 from prometheus_client import CollectorRegistry
+from starlette.applications import Starlette
 
 from brook_engine.config import EngineConfig
 from brook_engine.core.ranks import GroupSpec, run_worker_pod
 from brook_engine.server.app import build_app
+from brook_engine.server.limits import header_timeout_protocol
 from brook_engine.server.state import ServerState
 
 log = logging.getLogger(__name__)
@@ -52,6 +60,8 @@ class _DrainingServer(uvicorn.Server):
     async def _drain_then_exit(self) -> None:
         state = self.brook_state
         state.is_draining = True
+        if not state.is_ready:
+            log.info("the model is still loading: stopping the model load")
         if state.num_in_flight:
             log.info(
                 "draining: %d requests in flight, waiting up to %.0f s",
@@ -100,15 +110,10 @@ def serve(config: EngineConfig) -> int:
     app = build_app(
         config, CollectorRegistry(), on_fatal=lambda exc: holder[0].fail(exc), group=group
     )
-    uvicorn_config = uvicorn.Config(
-        app,
-        host=config.server.host,
-        port=config.server.port,
-        log_level="info",
-        lifespan="on",
-        timeout_keep_alive=5,
+    state: ServerState = app.state.brook
+    server = _DrainingServer(
+        uvicorn_config(app, config), state, config.server.drain_timeout_seconds
     )
-    server = _DrainingServer(uvicorn_config, app.state.brook, config.server.drain_timeout_seconds)
     holder.append(server)
     log.info(
         "serving %s on http://%s:%d (API key %s)",
@@ -118,4 +123,28 @@ def serve(config: EngineConfig) -> int:
         "required" if config.server.api_key else "off",
     )
     server.run()
-    return 1 if server.failed is not None else 0
+    status = 1 if server.failed is not None else 0
+    if state.engine_thread is not None and state.engine_thread.is_alive():
+        # The load did not reach its next step in time. Leaving the interpreter with native
+        # code running on that thread would abort the process; leave without finalizing.
+        log.warning("exiting while the model load still runs")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
+
+
+def uvicorn_config(app: Starlette, config: EngineConfig) -> uvicorn.Config:
+    """uvicorn for ``app`` with the server's address, limits and timeouts."""
+    server = config.server
+    return uvicorn.Config(
+        app,
+        host=server.host,
+        port=server.port,
+        log_level="info",
+        lifespan="on",
+        http=header_timeout_protocol(server.header_read_timeout_seconds),
+        limit_concurrency=server.max_connections,
+        timeout_keep_alive=server.keep_alive_timeout_seconds,
+    )

@@ -4,6 +4,7 @@ and the count of API calls in flight (the drain waits for it to reach zero)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -21,7 +22,8 @@ class ServerState:
     max_model_len: int = 0
     vocab_size: int = 0
     is_ready: bool = False
-    is_draining: bool = False
+    is_draining: bool = False  # shutting down; a model still loading stops at its next step
+    engine_thread: threading.Thread | None = None  # loads the model, then runs the engine
     num_in_flight: int = 0  # API calls between their start and their last byte
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     created: int = field(default_factory=lambda: int(time.time()))

@@ -3,9 +3,9 @@ to run them (image, replicas or autoscaling, accelerator, scheduling, rollout)."
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from brook_engine.config import (
     MODEL_URI_SCHEMES,
@@ -41,12 +41,51 @@ class ModelSpec(ModelConfig):
     """Secret key holding the token for hf://, s3:// or oci:// (never logged)."""
 
 
+#: A label value (empty, or up to 63 of letters, digits, '-', '_', '.', alphanumeric at the ends).
+LABEL_VALUE = Field(max_length=63, pattern=r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+
+
+class LabelSelector(Section):
+    """Objects by their labels: those that carry every label listed (all when empty)."""
+
+    match_labels: dict[str, Annotated[str, LABEL_VALUE]] = Field(
+        default_factory=dict, max_length=32
+    )
+    """Labels the object must carry, every one of them."""
+
+
+class ClientPeer(Section):
+    """Clients by label, as a Kubernetes NetworkPolicyPeer: podSelector alone picks pods of
+    this resource's namespace, namespaceSelector alone every pod of those namespaces, both
+    together those pods in those namespaces. Set at least one."""
+
+    model_config = ConfigDict(json_schema_extra={"minProperties": 1})
+
+    pod_selector: LabelSelector | None = None
+    """The client pods, by label."""
+
+    namespace_selector: LabelSelector | None = None
+    """The client namespaces, by label (`kubernetes.io/metadata.name` names one)."""
+
+    @model_validator(mode="after")
+    def _some_selector(self) -> ClientPeer:
+        if self.pod_selector is None and self.namespace_selector is None:
+            raise ValueError("set podSelector, namespaceSelector or both")
+        return self
+
+
 class ServerSpec(ServerOptions):
     """The engine's HTTP server inside the pod (it listens on all interfaces)."""
 
     api_key_secret_ref: SecretKeyRef | None = None
     """Secret key holding the API key clients must send as a bearer token; no key when
     unset."""
+
+    allowed_clients: list[ClientPeer] | None = Field(default=None, min_length=1, max_length=32)
+    """Who may reach the API port, which also serves /metrics (the engine pods' NetworkPolicy):
+    any pod or namespace one entry selects. Anyone when unset. List Prometheus, and with
+    autoscaling the Brook operator's pods, here too. The replica's rendezvous and collective
+    ports are open only to the pods of its own replica, whatever this says."""
 
 
 class HcclSpec(Section):
@@ -182,7 +221,7 @@ def to_engine_config(spec: LLMInferenceSpec) -> EngineConfig:
         spec.model.model_dump(exclude={"credentials_secret_ref"}, by_alias=False)
     )
     server = ServerConfig(
-        **spec.server.model_dump(exclude={"api_key_secret_ref"}, by_alias=False),
+        **spec.server.model_dump(exclude={"api_key_secret_ref", "allowed_clients"}, by_alias=False),
         host="0.0.0.0",
         api_key=ApiKeyConfig(file=API_KEY_PATH) if spec.server.api_key_secret_ref else None,
     )

@@ -3,6 +3,10 @@ ones, ``decide``, write status, and — in Active mode — resize the child work
 reconciler (server-side apply of the whole child, so the operator owns its replica count and
 never touches the user's spec).
 
+Its status is its own: server-side apply as field manager ``AUTOSCALER_MANAGER`` of the
+signals, the decisions, ``desiredReplicas`` and its three conditions, so that neither the
+reconciler nor a later round working from an older snapshot can undo the other's writes.
+
 A replica group is read at its leader pod: it runs the scheduler and serves /metrics for the
 whole group (for single-pod replicas every pod is a leader). Before a Deployment scales in,
 each leader gets a ``controller.kubernetes.io/pod-deletion-cost`` proportional to the KV
@@ -37,7 +41,7 @@ from brook_operator.autoscaler.status_patch import autoscaling_status
 from brook_operator.controller.conditions import now_rfc3339, rfc3339
 from brook_operator.controller.events import post_event, post_transitions
 from brook_operator.controller.reconcile import Reconciler, parse
-from brook_operator.kube import KubeClient, KubeError
+from brook_operator.kube import AUTOSCALER_MANAGER, KubeClient, KubeError
 from brook_operator.render import ROLE_LABEL, selector_labels
 from brook_operator.render.pod import HTTP_PORT
 
@@ -156,7 +160,7 @@ class Autoscaler:
         apply = not dry_run and decision.desired != current
         if apply and decision.desired < current and workload.get("kind") == "Deployment":
             self._mark_deletion_costs(llmi, pods, memory)
-        self.kube.patch_status(API_VERSION, KIND, key[0], key[1], status)
+        self.kube.apply_status(API_VERSION, KIND, key[0], key[1], status, AUTOSCALER_MANAGER)
         after = {**before, **status}
         if apply:
             # Resize from the resource as it is now: a spec edited while this round scraped
@@ -166,10 +170,10 @@ class Autoscaler:
             if fresh is None or generation != llmi.metadata.generation:
                 log.info("%s/%s changed during the round; resizing next round", *key)
                 return decision
-            result = self.reconciler.reconcile({**fresh, "status": after})
-            after = result.status or after
-            if result.error is not None:
-                log.warning("%s/%s: resize failed: %s", key[0], key[1], result.error)
+            result = self.reconciler.reconcile(fresh, autoscaled=decision.desired)
+            if result.error is not None or result.problem is not None:
+                why = result.error or result.problem
+                log.warning("%s/%s: resize failed: %s", key[0], key[1], why)
             else:
                 verb = "ScaledOut" if decision.desired > current else "ScaledIn"
                 log.info("%s/%s: %s", key[0], key[1], decision.reason)

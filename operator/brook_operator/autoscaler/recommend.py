@@ -71,8 +71,21 @@ class Vote(NamedTuple):
 # 1. Fresh metrics
 
 
+def _finite(replica: ReplicaSignals) -> bool:
+    """Every signal a number (NaN or ±Inf is no sample: it would poison the sums)."""
+    values = (
+        replica.kv_cache_usage,
+        replica.waiting_requests,
+        replica.running_requests,
+        replica.overlap_ratio,
+        replica.sample_age_seconds,
+    )
+    return all(v is None or math.isfinite(v) for v in values)
+
+
 def fresh_samples(signals: Sequence[ReplicaSignals], policy: Policy) -> list[ReplicaSignals]:
-    """Ready replicas whose KV sample is at most ``metricsStaleAfterSeconds`` old."""
+    """Ready replicas whose KV sample is at most ``metricsStaleAfterSeconds`` old, with
+    finite signals (a non-finite one makes the sample stale)."""
     return [
         r
         for r in signals
@@ -80,6 +93,7 @@ def fresh_samples(signals: Sequence[ReplicaSignals], policy: Policy) -> list[Rep
         and r.sample_age_seconds is not None
         and r.sample_age_seconds <= policy.metrics_stale_after_seconds
         and r.kv_cache_usage is not None
+        and _finite(r)
     ]
 
 

@@ -4,6 +4,7 @@ with prometheus_client's own parser and looked up by the names the engine export
 
 from __future__ import annotations
 
+import math
 import time
 import urllib.error
 import urllib.request
@@ -57,6 +58,11 @@ def parse_metrics(text: str) -> EngineSample:
     waiting = values[names.NUM_REQUESTS_WAITING]
     running = values.get(names.NUM_REQUESTS_RUNNING)
     overlap = values.get(names.COMM_COMPUTE_OVERLAP_RATIO)
+    # NaN and ±Inf are valid in the exposition format and pass every comparison below
+    # (NaN < 0 is False): a pod reporting them has no usable sample, it is stale.
+    bad = sorted(k for k, v in values.items() if not math.isfinite(v))
+    if bad:
+        raise ScrapeError(f"metrics not finite: {', '.join(f'{k}={values[k]}' for k in bad)}")
     if (
         not 0.0 <= kv <= 1.0
         or waiting < 0

@@ -1,7 +1,8 @@
 """The autoscaler's part of an ``LLMInference``'s status (pure): the signals it read with
 the time of the oldest sample it used, its last 10 decisions, ``desiredReplicas``, and
 three conditions — MetricsAvailable, ScalingActive and ScalingLimited (reason AtMax, AtMin,
-Cooldown, Stale, StepLimit or Startup)."""
+Cooldown, Stale, StepLimit or Startup). All of the autoscaler's fields and nothing else: it
+is applied server-side as the autoscaler's own (the reconciler's conditions are not here)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def autoscaling_status(
     dry_run: bool,
     sample_time: str | None = None,
 ) -> dict[str, Any]:
-    """The status fields the autoscaler owns after ``decision`` (a merge patch)."""
+    """The status fields the autoscaler owns after ``decision``, all of them."""
     previous_status = previous_status or {}
     previous = conditions_by_type(previous_status)
     aggregate = decision.aggregate
@@ -80,11 +81,9 @@ def autoscaling_status(
         limited = condition("ScalingLimited", True, decision.limited_by, decision.reason[:1000])
     else:
         limited = condition("ScalingLimited", False, "WithinBounds", "no bound applied")
-    own = {c["type"]: c for c in (metrics, active, limited)}
-    conditions = [own.pop(t, c) for t, c in previous.items()] + list(own.values())
     status: dict[str, Any] = {
         "autoscaling": {"signals": signals, "lastDecisions": decisions},
-        "conditions": conditions,
+        "conditions": [metrics, active, limited],
     }
     # DryRun changes nothing: the count wanted stays the one running.
     status["desiredReplicas"] = current if dry_run else decision.desired

@@ -1,6 +1,11 @@
 """``status`` of an ``LLMInference`` from what its workload reports (pure): the conditions
 (SpecValid, Degraded, Ready, Progressing) and the replica counts, and the helpers that keep
-a condition's ``lastTransitionTime`` across rounds."""
+a condition's ``lastTransitionTime`` across rounds.
+
+These are the fields of one writer (field manager ``STATUS_MANAGER``), written by
+server-side apply: a status computed here holds ALL of them and NOTHING else — the
+autoscaler's fields and conditions are its own, and a field left out here would be removed.
+"""
 
 from __future__ import annotations
 
@@ -37,6 +42,11 @@ class Observed:
 
     error: str | None = None
     """Why the last apply failed, if it did."""
+
+    problem: tuple[str, str] | None = None
+    """(reason, message) of what a person must resolve: ``ForeignObject`` (a child's name
+    is taken by an object Brook does not own) or ``FieldConflict`` (another field manager
+    owns a field Brook applies)."""
 
 
 def make_condition(
@@ -76,8 +86,15 @@ def now_rfc3339() -> str:
     return rfc3339()
 
 
+#: The conditions ``compute_status`` owns.
+OWN_CONDITIONS = ("SpecValid", "Degraded", "Ready", "Progressing")
+#: The other status fields it owns (desiredReplicas only without spec.autoscaling).
+OWN_FIELDS = ("replicas", "readyReplicas", "desiredReplicas", "selector", "topology", "endpoint")
+
+
 def invalid_status(body: dict[str, Any], message: str, now: str | None = None) -> dict[str, Any]:
-    """Status of a resource whose spec the operator cannot run."""
+    """Status of a resource whose spec the operator cannot run: SpecValid and Ready False,
+    the rest of this writer's fields as they were (the children are left as they were)."""
     now = now or now_rfc3339()
     status = body.get("status") or {}
     previous = conditions_by_type(status)
@@ -88,8 +105,14 @@ def invalid_status(body: dict[str, Any], message: str, now: str | None = None) -
             previous, "Ready", False, "InvalidSpec", "the spec cannot run", generation, now
         ),
     ]
-    keep = [c for t, c in previous.items() if t not in ("SpecValid", "Ready")]
-    return {"observedGeneration": generation, "conditions": conditions + keep}
+    keep = [previous[t] for t in ("Degraded", "Progressing") if t in previous]
+    autoscaled = isinstance((body.get("spec") or {}).get("autoscaling"), dict)
+    fields = {
+        k: status[k]
+        for k in OWN_FIELDS
+        if k in status and not (k == "desiredReplicas" and autoscaled)
+    }
+    return {**fields, "observedGeneration": generation, "conditions": conditions + keep}
 
 
 def compute_status(
@@ -98,7 +121,7 @@ def compute_status(
     previous_status: dict[str, Any] | None = None,
     now: str | None = None,
 ) -> dict[str, Any]:
-    """The status fields the operator owns (the autoscaler's stay as they are)."""
+    """The status fields the reconciler owns, all of them (the autoscaler's are its own)."""
     now = now or now_rfc3339()
     generation = llmi.metadata.generation
     previous = conditions_by_type(previous_status)
@@ -127,6 +150,8 @@ def compute_status(
                 "https://lws.sigs.k8s.io/docs/installation/",
             )
         )
+    elif observed.problem:
+        conditions.append(condition("Degraded", True, *observed.problem))
     elif observed.error:
         conditions.append(condition("Degraded", True, "ApplyFailed", observed.error))
     else:
@@ -149,8 +174,6 @@ def compute_status(
         conditions.append(condition("Progressing", True, "RollingOut", message))
     else:
         conditions.append(condition("Progressing", False, "Complete", "no rollout in progress"))
-    own = {c["type"] for c in conditions}
-    conditions += [c for t, c in previous.items() if t not in own]
     selector = {**selector_labels(llmi), ROLE_LABEL: "leader"}
     status: dict[str, Any] = {
         "observedGeneration": generation,

@@ -1,6 +1,18 @@
 """One reconciliation of one ``LLMInference``: validate, apply the children, remove those
 the spec no longer wants, read the workload back, write status. Idempotent: running it again
-(after a restart mid-way, say) applies the same objects and creates nothing twice."""
+(after a restart mid-way, say) applies the same objects and creates nothing twice.
+
+Brook only ever writes objects it owns. Before applying, each child is read: one that exists
+without this resource's owner reference (its uid) is someone else's — a Service of the same
+name, a ConfigMap another tool made, the children of a deleted namesake that the garbage
+collector has not removed yet — and the round applies nothing (as Helm refuses to install
+over an object it does not own); the resource reports ``Degraded=True``, reason
+``ForeignObject``, naming the object and what to do. Children are applied without
+``force``: a field another manager owns is never taken over. When that field is a
+workload's ``spec.replicas`` (an HPA, a ``kubectl scale``), the rest of the workload is
+still applied and the count left to that manager; any other conflict stops the round. Both
+report ``Degraded=True``, reason ``FieldConflict``, with the fields and their managers.
+"""
 
 from __future__ import annotations
 
@@ -12,12 +24,14 @@ from pydantic import ValidationError
 
 from brook_operator.api import API_VERSION, KIND, LLMInference, topology
 from brook_operator.controller.conditions import (
+    OWN_CONDITIONS,
     Observed,
     compute_status,
+    conditions_by_type,
     invalid_status,
     spec_error,
 )
-from brook_operator.kube import KubeClient, KubeError
+from brook_operator.kube import STATUS_MANAGER, KubeClient, KubeError
 from brook_operator.render import (
     PRUNABLE_KINDS,
     OperatorSettings,
@@ -30,16 +44,30 @@ from brook_operator.render.workload import LWS_API_VERSION
 
 log = logging.getLogger(__name__)
 
+#: Kinds whose ``spec.replicas`` another manager may own (an HPA scales them).
+_WORKLOADS = ("Deployment", "LeaderWorkerSet")
+#: Degraded reasons a status refresh keeps (only a reconciliation finds them resolved).
+_KEPT_PROBLEMS = ("ForeignObject", "FieldConflict", "ApplyFailed")
+#: Reads and writes a refresh tries while other writers keep changing the resource.
+_REFRESH_TRIES = 3
+
 
 @dataclass
 class ReconcileResult:
     status: dict[str, Any]
+    """The status this writer applied (its own fields only)."""
+
     applied: list[tuple[str, str]] = field(default_factory=list)
     """(kind, name) of each child applied."""
 
     deleted: list[tuple[str, str]] = field(default_factory=list)
     error: KubeError | None = None
-    """The first API error met (the rest of the round was skipped); retried by the caller."""
+    """The first API error met (the rest of the round was skipped); the caller retries it
+    when it is retriable."""
+
+    problem: tuple[str, str] | None = None
+    """(reason, message) of what needs a person (``ForeignObject``, ``FieldConflict``);
+    retrying does not help, the resync tries again."""
 
 
 def parse(body: dict[str, Any]) -> LLMInference:
@@ -49,12 +77,24 @@ def parse(body: dict[str, Any]) -> LLMInference:
     )
 
 
+class _Refused(Exception):
+    """The round stops: a child may not be written (reason, message)."""
+
+    def __init__(self, reason: str, message: str, error: KubeError | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.error = error
+
+
 @dataclass
 class Reconciler:
     kube: KubeClient
     settings: OperatorSettings = field(default_factory=OperatorSettings)
 
-    def reconcile(self, body: dict[str, Any]) -> ReconcileResult:
+    def reconcile(self, body: dict[str, Any], *, autoscaled: int | None = None) -> ReconcileResult:
+        """Apply the children and write status. ``autoscaled``: the replica count the
+        autoscaler decided this round (otherwise an autoscaled workload keeps its size)."""
         metadata = body.get("metadata") or {}
         name: str = metadata["name"]
         namespace: str | None = metadata.get("namespace")
@@ -64,33 +104,56 @@ class Reconciler:
             message = spec_error(exc)
             log.warning("%s/%s: invalid spec, nothing applied: %s", namespace, name, message)
             status = invalid_status(body, message)
-            self.kube.patch_status(API_VERSION, KIND, namespace, name, status)
+            self._write_status(namespace, name, status)
             return ReconcileResult(status=status)
         result = ReconcileResult(status={})
         lws_missing = False
+        count = autoscaled
         try:
             lws_missing = topology(
                 llmi.spec
             ).workload == "LeaderWorkerSet" and not self.kube.has_api(
                 LWS_API_VERSION, "LeaderWorkerSet"
             )
-            self._apply(llmi, body, lws_missing, result)
+            count = self._apply(llmi, body, lws_missing, autoscaled, result)
+        except _Refused as refused:
+            log.warning("%s/%s: %s", namespace, name, refused.message)
+            result.problem = (refused.reason, refused.message)
+            result.error = refused.error
         except KubeError as exc:
             log.warning("%s/%s: %s", namespace, name, exc)
             result.error = exc
         workload = self.read_workload(llmi)
         observed = Observed(
             workload=workload,
-            desired_replicas=self._desired(llmi, body),
+            desired_replicas=desired_replicas(llmi, self._count(llmi, body, workload, count)),
             lws_missing=lws_missing,
             error=str(result.error) if result.error else None,
+            problem=result.problem,
         )
         result.status = compute_status(llmi, observed, body.get("status"))
-        self.kube.patch_status(API_VERSION, KIND, namespace, name, result.status)
+        self._write_status(namespace, name, result.status)
         return result
 
     def refresh_status(self, body: dict[str, Any]) -> dict[str, Any] | None:
-        """Status only (a child changed): no apply. None for an invalid spec."""
+        """Status only (a child changed): no apply. None for an invalid spec (or a resource
+        gone). Degraded stays as the last reconciliation left it. Written only over the
+        version of the resource it was computed from: a reconciliation that wrote status in
+        the meantime is newer, and the refresh starts again from a fresh read."""
+        for _ in range(_REFRESH_TRIES):
+            try:
+                return self._refresh(body)
+            except KubeError as exc:
+                if exc.status != 409:
+                    raise
+            metadata = body["metadata"]
+            fresh = self.kube.get(API_VERSION, KIND, metadata.get("namespace"), metadata["name"])
+            if fresh is None:
+                return None
+            body = fresh
+        return None  # busy: the writers in between leave it fresh enough; the next event
+
+    def _refresh(self, body: dict[str, Any]) -> dict[str, Any] | None:
         try:
             llmi = parse(body)
         except ValidationError:
@@ -98,43 +161,89 @@ class Reconciler:
         lws_missing = topology(llmi.spec).workload == "LeaderWorkerSet" and not (
             self.kube.has_api(LWS_API_VERSION, "LeaderWorkerSet")
         )
-        observed = Observed(
-            workload=self.read_workload(llmi),
-            desired_replicas=self._desired(llmi, body),
-            lws_missing=lws_missing,
-        )
         previous = body.get("status") or {}
+        degraded = conditions_by_type(previous).get("Degraded") or {}
+        problem = None
+        if degraded.get("status") == "True" and degraded.get("reason") in _KEPT_PROBLEMS:
+            problem = (str(degraded["reason"]), str(degraded.get("message", "")))
+        workload = self.read_workload(llmi)
+        observed = Observed(
+            workload=workload,
+            desired_replicas=desired_replicas(llmi, self._count(llmi, body, workload, None)),
+            lws_missing=lws_missing,
+            problem=problem,
+        )
         status = compute_status(llmi, observed, previous)
         if _same(status, previous):
             return status
         metadata = body["metadata"]
-        self.kube.patch_status(
-            API_VERSION, KIND, metadata.get("namespace"), metadata["name"], status
+        self.kube.apply_status(
+            API_VERSION,
+            KIND,
+            metadata.get("namespace"),
+            metadata["name"],
+            status,
+            STATUS_MANAGER,
+            resource_version=metadata.get("resourceVersion"),
         )
         return status
 
     # -- steps ---------------------------------------------------------------------------
 
+    def _write_status(self, namespace: str | None, name: str, status: dict[str, Any]) -> None:
+        self.kube.apply_status(API_VERSION, KIND, namespace, name, status, STATUS_MANAGER)
+
     @staticmethod
-    def _desired(llmi: LLMInference, body: dict[str, Any]) -> int:
-        autoscaled = None
-        if llmi.spec.autoscaling is not None:
-            autoscaled = (body.get("status") or {}).get("desiredReplicas")
-        return desired_replicas(llmi, autoscaled)
+    def _count(
+        llmi: LLMInference,
+        body: dict[str, Any],
+        workload: dict[str, Any] | None,
+        decided: int | None,
+    ) -> int | None:
+        """The autoscaled replica count: this round's decision, else what the workload runs
+        (the autoscaler's last applied size: a snapshot of status may be older), else the
+        autoscaler's recorded wish (before the workload exists). None when not autoscaled."""
+        if llmi.spec.autoscaling is None:
+            return None
+        if decided is not None:
+            return decided
+        if workload is not None and (workload.get("spec") or {}).get("replicas") is not None:
+            return int(workload["spec"]["replicas"])
+        wanted = (body.get("status") or {}).get("desiredReplicas")
+        return int(wanted) if isinstance(wanted, int) else None
 
     def _apply(
-        self, llmi: LLMInference, body: dict[str, Any], lws_missing: bool, result: ReconcileResult
-    ) -> None:
-        autoscaled = None
-        if llmi.spec.autoscaling is not None:
-            autoscaled = (body.get("status") or {}).get("desiredReplicas")
+        self,
+        llmi: LLMInference,
+        body: dict[str, Any],
+        lws_missing: bool,
+        autoscaled: int | None,
+        result: ReconcileResult,
+    ) -> int | None:
+        """Apply the children (all or none, when one is foreign) and prune; returns the
+        autoscaled count used."""
+        namespace = llmi.metadata.namespace
+        current = self._current_workload(llmi, lws_missing)
+        count = self._count(llmi, body, current, autoscaled)
+        children = [
+            with_owner(child, llmi)
+            for child in render_children(llmi, self.settings, count)
+            if not (child["kind"] == "LeaderWorkerSet" and lws_missing)
+        ]
+        for child in children:  # first every check, then every write
+            if child["kind"] in _WORKLOADS:
+                existing = current  # the workload of this topology, read just above
+            else:
+                existing = self.kube.get(
+                    child["apiVersion"], child["kind"], namespace, child["metadata"]["name"]
+                )
+            if existing is not None and not _owned_by(existing, llmi):
+                raise _Refused("ForeignObject", _foreign_message(child, existing, llmi))
         wanted: set[tuple[str, str]] = set()
-        for child in render_children(llmi, self.settings, autoscaled):
+        for child in children:
             key = (child["kind"], child["metadata"]["name"])
-            if child["kind"] == "LeaderWorkerSet" and lws_missing:
-                continue
             wanted.add(key)
-            self.kube.apply(with_owner(child, llmi))
+            self._apply_child(child, result)
             result.applied.append(key)
         for api_version, kind in PRUNABLE_KINDS:
             if kind == "LeaderWorkerSet" and (
@@ -142,17 +251,39 @@ class Reconciler:
             ):
                 continue
             for obj in self.kube.list(
-                api_version,
-                kind,
-                llmi.metadata.namespace,
-                f"{INSTANCE_LABEL}={llmi.metadata.name}",
+                api_version, kind, namespace, f"{INSTANCE_LABEL}={llmi.metadata.name}"
             ):
                 child_name = obj["metadata"]["name"]
                 if (kind, child_name) in wanted or not _owned_by(obj, llmi):
                     continue
-                if self.kube.delete(api_version, kind, llmi.metadata.namespace, child_name):
+                if self.kube.delete(api_version, kind, namespace, child_name):
                     log.info("%s: deleted %s %s", llmi.metadata.name, kind, child_name)
                     result.deleted.append((kind, child_name))
+        return count
+
+    def _current_workload(self, llmi: LLMInference, lws_missing: bool) -> dict[str, Any] | None:
+        if topology(llmi.spec).workload == "LeaderWorkerSet" and lws_missing:
+            return None
+        return self.read_workload(llmi)
+
+    def _apply_child(self, child: dict[str, Any], result: ReconcileResult) -> None:
+        """Apply without force. A workload whose replica count another manager owns is
+        applied without it (that manager keeps it); any other conflict stops the round."""
+        try:
+            self.kube.apply(child)
+            return
+        except KubeError as exc:
+            if exc.status != 409:
+                raise
+            error = exc
+        conflicts = error.conflicts
+        message = _conflict_message(child, conflicts, error)
+        fields = {f for _, f in conflicts}
+        if child["kind"] not in _WORKLOADS or fields != {".spec.replicas"}:
+            raise _Refused("FieldConflict", message, error)
+        spec = {k: v for k, v in child["spec"].items() if k != "replicas"}
+        self.kube.apply({**child, "spec": spec})
+        result.problem = ("FieldConflict", message)
 
     def read_workload(self, llmi: LLMInference) -> dict[str, Any] | None:
         namespace, name = llmi.metadata.namespace, llmi.metadata.name
@@ -171,5 +302,56 @@ def _owned_by(obj: dict[str, Any], llmi: LLMInference) -> bool:
     return any(ref.get("uid") == llmi.metadata.uid for ref in refs)
 
 
+def _where(child: dict[str, Any]) -> str:
+    metadata = child["metadata"]
+    namespace = metadata.get("namespace")
+    return f"{child['kind']} {namespace}/{metadata['name']}" if namespace else child["kind"]
+
+
+def _foreign_message(child: dict[str, Any], existing: dict[str, Any], llmi: LLMInference) -> str:
+    refs = (existing.get("metadata") or {}).get("ownerReferences") or []
+    owners = ", ".join(f"{r.get('kind')} {r.get('name')} (uid {r.get('uid')})" for r in refs)
+    whose = f"owned by {owners}" if owners else "not owned by any object"
+    return (
+        f"{_where(child)} already exists, {whose}, not by this LLMInference (uid "
+        f"{llmi.metadata.uid}); Brook never adopts an object it did not create and applied "
+        "nothing. Delete or rename that object, or give this LLMInference another name "
+        "(if it belonged to a deleted namesake, the garbage collector removes it shortly)."
+    )
+
+
+def _conflict_message(
+    child: dict[str, Any], conflicts: list[tuple[str, str]], error: KubeError
+) -> str:
+    if not conflicts:
+        return f"{_where(child)}: {error.message or error}"
+    owned = "; ".join(f'{f} is managed by "{m}"' for m, f in sorted(set(conflicts)))
+    fields = {f for _, f in conflicts}
+    if child["kind"] in _WORKLOADS and fields == {".spec.replicas"}:
+        consequence = (
+            "Brook leaves the replica count to that manager (an HPA or kubectl scale?) and "
+            "applies the rest; spec.replicas and spec.autoscaling have no effect until it "
+            "lets go. Scale through the LLMInference instead (remove the other autoscaler)"
+        )
+    else:
+        consequence = (
+            "Brook does not override other managers and applied nothing more. Undo that "
+            "change or stop its writer"
+        )
+    return (
+        f"{_where(child)}: {owned}. {consequence}, then hand the field back: kubectl apply "
+        "--server-side --force-conflicts --field-manager=brook-operator, or delete the "
+        f"{child['kind']} (Brook recreates it)."
+    )
+
+
 def _same(status: dict[str, Any], previous: dict[str, Any]) -> bool:
-    return all(previous.get(k) == v for k, v in status.items())
+    """Whether applying ``status`` would change nothing this writer owns."""
+    before = conditions_by_type(previous)
+    for key, value in status.items():
+        if key == "conditions":
+            if any(before.get(c["type"]) != c for c in value if c["type"] in OWN_CONDITIONS):
+                return False
+        elif previous.get(key) != value:
+            return False
+    return True

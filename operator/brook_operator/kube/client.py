@@ -1,15 +1,29 @@
 """The operator's Kubernetes calls over the official client's HTTP layer, with plain dicts.
 
-Children are written by server-side apply (field manager ``brook-operator``), so a field
-another controller owns (an HPA's replicas, a mutating webhook's additions) is never fought
-over silently, and re-applying an unchanged object is a no-op. Errors come back as
-``KubeError`` with the API's status code and message.
+Children are written by server-side apply (field manager ``brook-operator``) WITHOUT
+``force``: a field another manager owns (an HPA's replicas, someone's ``kubectl edit``) is
+never taken over; the API answers 409 and the conflict is reported (``KubeError.conflicts``).
+Status is written by server-side apply too, one field manager per writer
+(``STATUS_MANAGER``, ``AUTOSCALER_MANAGER``), each owning only its own fields and
+conditions, so no writer's update is lost to another's older snapshot.
+
+Every call times out (``timeout_seconds``, 30 s by default): a half-open connection costs a
+round, never the loop. Throttling (429, honouring ``Retry-After``), server errors (5xx) and
+transport failures (refused, reset, timed out) are retried with exponential backoff, up to
+``attempts`` tries; 4xx answers (403, 404, 409, 422, ...) are not — retrying them changes
+nothing — and a create (POST) is retried only on 429 (a lost answer may hide a done create).
+Errors come back as ``KubeError`` with the API's status code and message.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import logging
+import random
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
 
@@ -19,8 +33,28 @@ from kubernetes import config as k8s_config
 
 from brook_operator import __version__
 
+log = logging.getLogger(__name__)
+
 FIELD_MANAGER = "brook-operator"
+"""Field manager of the children's server-side applies."""
+
+STATUS_MANAGER = "brook-operator-status"
+"""Field manager of the status the reconciler computes (counts, topology, endpoint and the
+SpecValid, Degraded, Ready and Progressing conditions), whoever runs it: a create/update
+handler, a child's event or the resync."""
+
+AUTOSCALER_MANAGER = "brook-operator-autoscaler"
+"""Field manager of the autoscaler's status (signals, decisions, desiredReplicas of an
+autoscaled resource, and the MetricsAvailable, ScalingActive and ScalingLimited conditions)."""
+
 USER_AGENT = f"brook-operator/{__version__}"
+#: Longest one API call may take, each try (``--api-timeout-seconds``).
+DEFAULT_TIMEOUT_SECONDS = 30.0
+#: Tries of one call that fails retriably (the first included).
+DEFAULT_ATTEMPTS = 3
+#: First backoff between tries (doubling, with jitter), and the longest wait between two.
+BACKOFF_SECONDS = 0.5
+MAX_BACKOFF_SECONDS = 10.0
 
 #: Plural and scope of every kind the operator touches.
 _KINDS: dict[str, tuple[str, bool]] = {
@@ -31,22 +65,51 @@ _KINDS: dict[str, tuple[str, bool]] = {
     "Deployment": ("deployments", True),
     "LeaderWorkerSet": ("leaderworkersets", True),
     "PodDisruptionBudget": ("poddisruptionbudgets", True),
+    "NetworkPolicy": ("networkpolicies", True),
     "LLMInference": ("llminferences", True),
     "CustomResourceDefinition": ("customresourcedefinitions", False),
 }
+_MANAGER = re.compile(r'conflict with "([^"]*)"')
 
 
 class KubeError(Exception):
-    def __init__(self, status: int, reason: str, message: str) -> None:
+    def __init__(
+        self,
+        status: int,
+        reason: str,
+        message: str,
+        *,
+        retry_after: float | None = None,
+        causes: list[dict[str, Any]] | None = None,
+    ) -> None:
         super().__init__(f"{status} {reason}: {message}")
         self.status = status
         self.reason = reason
         self.message = message
+        self.retry_after = retry_after
+        """Seconds the server asked to wait (``Retry-After``), if it said."""
+        self.causes = causes or []
+        """``details.causes`` of the API's Status."""
 
     @property
     def retriable(self) -> bool:
-        """Conflicts, throttling and server-side failures pass; the rest will not."""
-        return self.status in (0, 409, 429) or self.status >= 500
+        """Throttling, server-side failures and transport failures (status 0): the same
+        call may pass later. A 4xx (403, 404, 409, 422, ...) will not."""
+        return self.status in (0, 429) or self.status >= 500
+
+    @property
+    def conflicts(self) -> list[tuple[str, str]]:
+        """(manager, field) of each field another manager owns, from a server-side apply's
+        409 (``FieldManagerConflict`` causes); empty for any other error."""
+        if self.status != 409:
+            return []
+        found = []
+        for cause in self.causes:
+            if cause.get("reason") != "FieldManagerConflict":
+                continue
+            match = _MANAGER.search(str(cause.get("message", "")))
+            found.append((match.group(1) if match else "?", str(cause.get("field", "?"))))
+        return found
 
 
 def resource_path(api_version: str, kind: str, namespace: str | None, name: str | None) -> str:
@@ -61,9 +124,14 @@ def resource_path(api_version: str, kind: str, namespace: str | None, name: str 
 @dataclass
 class KubeClient:
     api: k8s.ApiClient
+    timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
+    attempts: int = DEFAULT_ATTEMPTS
+    sleep: Callable[[float], None] = field(default=time.sleep, repr=False)
 
     @classmethod
-    def from_environment(cls, kubeconfig: str | None = None) -> KubeClient:
+    def from_environment(
+        cls, kubeconfig: str | None = None, *, timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
+    ) -> KubeClient:
         """In-cluster credentials in a pod, else the kubeconfig (``KUBECONFIG`` or ~/.kube)."""
         configuration = k8s.Configuration()
         try:
@@ -74,9 +142,11 @@ class KubeClient:
             k8s_config.load_kube_config(  # type: ignore[no-untyped-call]
                 config_file=kubeconfig, client_configuration=configuration
             )
+        # No hidden retries below ours (urllib3 retries 3 times by default, PATCH included).
+        configuration.retries = urllib3.Retry(total=0, redirect=False)
         api = k8s.ApiClient(configuration)
         api.user_agent = USER_AGENT
-        return cls(api)
+        return cls(api, timeout_seconds=timeout_seconds)
 
     def request(
         self,
@@ -86,6 +156,32 @@ class KubeClient:
         query: dict[str, str] | None = None,
         body: Any = None,
         content_type: str = "application/json",
+    ) -> Any:
+        """One API call, within ``timeout_seconds`` per try, retried while it may pass."""
+        attempt = 1
+        while True:
+            try:
+                return self._request_once(method, path, query, body, content_type)
+            except KubeError as exc:
+                retry = exc.retriable and (method != "POST" or exc.status == 429)
+                if not retry or attempt >= self.attempts:
+                    raise
+                delay = self._backoff(attempt, exc.retry_after)
+                log.info("%s %s: %s; try %d in %.1f s", method, path, exc, attempt + 1, delay)
+                self.sleep(delay)
+                attempt += 1
+
+    @staticmethod
+    def _backoff(attempt: int, retry_after: float | None) -> float:
+        """Exponential with jitter; the server's ``Retry-After`` when it asked for longer."""
+        base = min(BACKOFF_SECONDS * 2.0 ** (attempt - 1), MAX_BACKOFF_SECONDS)
+        delay: float = base * random.uniform(0.5, 1.0)
+        if retry_after is not None:
+            delay = max(delay, min(retry_after, MAX_BACKOFF_SECONDS))
+        return delay
+
+    def _request_once(
+        self, method: str, path: str, query: dict[str, str] | None, body: Any, content_type: str
     ) -> Any:
         headers = {"Accept": "application/json", "Content-Type": content_type}
         # JSON bodies go as objects (the client encodes them); an apply patch as JSON text,
@@ -102,7 +198,12 @@ class KubeClient:
                 auth_settings=["BearerToken"],
             )
             response = self.api.call_api(
-                method, url, header_params=headers, body=data, post_params=post
+                method,
+                url,
+                header_params=headers,
+                body=data,
+                post_params=post,
+                _request_timeout=self.timeout_seconds,
             )
             raw = response.read()  # type: ignore[no-untyped-call]
         except k8s.ApiException as exc:  # transport-level failures the client raises
@@ -117,21 +218,49 @@ class KubeClient:
             if status < 400:
                 raise KubeError(status, "BadResponse", raw[:200].decode(errors="replace")) from None
         if status >= 400:
-            text = raw.decode(errors="replace")[:500] if raw else ""
-            message = payload.get("message", "") if isinstance(payload, dict) else text
-            reason = payload.get("reason", "") if isinstance(payload, dict) else ""
-            raise KubeError(status, reason, message)
+            raise _error(status, raw, payload, response.headers.get("Retry-After"))
         return payload
 
     def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
-        """Server-side apply ``obj`` as the operator (creating it if absent)."""
+        """Server-side apply ``obj`` as the operator (creating it if absent), without force:
+        a 409 ``KubeError`` names the fields other managers own (``conflicts``)."""
         metadata = obj["metadata"]
         path = resource_path(obj["apiVersion"], obj["kind"], metadata.get("namespace"), None)
         result: dict[str, Any] = self.request(
             "PATCH",
             f"{path}/{quote(metadata['name'])}",
-            query={"fieldManager": FIELD_MANAGER, "force": "true"},
+            query={"fieldManager": FIELD_MANAGER},
             body=obj,
+            content_type="application/apply-patch+yaml",
+        )
+        return result
+
+    def apply_status(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str | None,
+        name: str,
+        status: dict[str, Any],
+        manager: str,
+        *,
+        resource_version: str | None = None,
+    ) -> dict[str, Any]:
+        """Server-side apply of ``status`` (the fields ``manager`` owns, all of them: those
+        it leaves out are removed unless another manager owns them too). Forced: each
+        writer is the one authority on its own fields. With ``resource_version``, only if
+        the object is still at that version (409 otherwise)."""
+        metadata: dict[str, Any] = {"name": name}
+        if namespace:
+            metadata["namespace"] = namespace
+        if resource_version:
+            metadata["resourceVersion"] = resource_version
+        body = {"apiVersion": api_version, "kind": kind, "metadata": metadata, "status": status}
+        result: dict[str, Any] = self.request(
+            "PATCH",
+            resource_path(api_version, kind, namespace, name) + "/status",
+            query={"fieldManager": manager, "force": "true"},
+            body=body,
             content_type="application/apply-patch+yaml",
         )
         return result
@@ -185,17 +314,6 @@ class KubeClient:
             raise
         return True
 
-    def patch_status(
-        self, api_version: str, kind: str, namespace: str | None, name: str, status: Any
-    ) -> dict[str, Any]:
-        result: dict[str, Any] = self.request(
-            "PATCH",
-            resource_path(api_version, kind, namespace, name) + "/status",
-            body={"status": status},
-            content_type="application/merge-patch+json",
-        )
-        return result
-
     def annotate(
         self,
         api_version: str,
@@ -223,3 +341,29 @@ class KubeClient:
                 return False
             raise
         return any(r.get("name") == plural for r in resources.get("resources") or [])
+
+
+def _error(status: int, raw: bytes, payload: Any, retry_after: str | None) -> KubeError:
+    """The ``KubeError`` of an error answer (a ``Status`` object, or any text)."""
+    if not isinstance(payload, dict):
+        text = raw.decode(errors="replace")[:500] if raw else ""
+        return KubeError(status, "", text, retry_after=_seconds(retry_after))
+    details: dict[str, Any] = payload.get("details") or {}
+    if not isinstance(details, dict):
+        details = {}
+    return KubeError(
+        status,
+        str(payload.get("reason", "")),
+        str(payload.get("message", "")),
+        retry_after=_seconds(retry_after) or _seconds(details.get("retryAfterSeconds")),
+        causes=[c for c in details.get("causes") or [] if isinstance(c, dict)],
+    )
+
+
+def _seconds(value: Any) -> float | None:
+    """``Retry-After`` in seconds (the API server sends an integer; an HTTP date is ignored)."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        return None
+    return seconds if seconds >= 0 else None

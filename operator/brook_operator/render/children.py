@@ -6,13 +6,15 @@ from typing import Any
 
 from brook_operator.api import LLMInference
 from brook_operator.render.config_map import engine_config_map
+from brook_operator.render.network_policy import network_policies
 from brook_operator.render.services import api_service, disruption_budget
 from brook_operator.render.settings import OperatorSettings
 from brook_operator.render.workload import LWS_API_VERSION, desired_replicas, workload
 
 #: (apiVersion, kind) of the children a spec change can make unwanted: the workload kind
 #: changes when a replica grows past one node (or shrinks back). The other children always
-#: exist under fixed names, so they are only ever applied.
+#: exist under fixed names, so they are only ever applied (a replica group's
+#: NetworkPolicy outlives the group on purpose: see ``render.network_policy``).
 PRUNABLE_KINDS: tuple[tuple[str, str], ...] = (
     ("apps/v1", "Deployment"),
     (LWS_API_VERSION, "LeaderWorkerSet"),
@@ -23,10 +25,11 @@ def render_children(
     llmi: LLMInference, settings: OperatorSettings, autoscaled: int | None = None
 ) -> list[dict[str, Any]]:
     """The children of ``llmi`` (without owner references, which need its uid). The config
-    comes first so that pods never start without it."""
+    and the network policies come first so that pods never start without them."""
     replicas = desired_replicas(llmi, autoscaled)
     return [
         engine_config_map(llmi, settings),
+        *network_policies(llmi, replicas),
         api_service(llmi),
         workload(llmi, settings, replicas),
         disruption_budget(llmi),

@@ -374,6 +374,74 @@ def test_server_side_apply(kube_api: KubeApi, k8s: Any) -> None:
     assert owned_by_rival.fields_v1 == {"f:data": {"f:model": {}}}
 
 
+def test_server_side_apply_merges_list_maps_item_by_item(
+    kube_api: KubeApi, brook_crd: dict[str, Any]
+) -> None:
+    """``status.conditions`` is ``x-kubernetes-list-type: map`` keyed by ``type`` in the
+    CRD: two managers applying different conditions through /status keep each other's,
+    a manager dropping an item removes only its own, and a manager changing another's
+    item conflicts unless forced."""
+    kube_api.create_namespace("demo")
+    kube_api.load(EXAMPLE, "demo")
+    api = CustomObjectsApi(kube_api.client())
+
+    def apply(conditions: list[dict[str, Any]], manager: str, force: bool = True) -> Any:
+        body = {
+            "apiVersion": "brook.dev/v1alpha1",
+            "kind": "LLMInference",
+            "metadata": {"name": "tiny-cpu", "namespace": "demo"},
+            "status": {"conditions": conditions},
+        }
+        return api.patch_namespaced_custom_object_status(
+            "brook.dev", "v1alpha1", "demo", "llminferences", "tiny-cpu", body,
+            field_manager=manager, force=force,
+            _content_type="application/apply-patch+yaml",
+        )  # fmt: skip
+
+    def types(obj: Any) -> dict[str, str]:
+        return {c["type"]: c["status"] for c in obj["status"]["conditions"]}
+
+    ready = {"type": "Ready", "status": "True"}
+    apply([ready, {"type": "Degraded", "status": "False"}], "reconciler")
+    both = apply([{"type": "ScalingActive", "status": "True"}], "autoscaler")
+    assert types(both) == {"Ready": "True", "Degraded": "False", "ScalingActive": "True"}
+    fields = {m["manager"]: m["fieldsV1"] for m in both["metadata"]["managedFields"]}
+    assert set(fields["autoscaler"]["f:status"]["f:conditions"]) == {'k:{"type":"ScalingActive"}'}
+    dropped = apply([ready], "reconciler")
+    assert types(dropped) == {"Ready": "True", "ScalingActive": "True"}
+    with pytest.raises(ApiException) as conflict:
+        apply([{"type": "ScalingActive", "status": "False"}], "reconciler", force=False)
+    assert conflict.value.status == 409
+    message = json.loads(conflict.value.body)["message"]
+    assert '.status.conditions[type="ScalingActive"].status' in message
+
+
+def test_injected_faults_and_dropped_watches(kube_api: KubeApi) -> None:
+    """Faults answer before the emulation (and change nothing); a dropped watch ends."""
+    fault = kube_api.inject(verb="create", resource="configmaps", status=429, retry_after=2)
+    request = urllib.request.Request(
+        kube_api.url + "/api/v1/namespaces/default/configmaps",
+        data=json.dumps(configmap("x")).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=10)
+    assert (refused.value.code, refused.value.headers["Retry-After"]) == (429, "2")
+    assert json.loads(refused.value.read())["reason"] == "TooManyRequests"
+    assert fault.hits == 1 and kube_api.get("configmaps", "x", "default") is None
+    kube_api.clear_faults()
+    kube_api.inject(verb="get", resource="configmaps", hang=30)
+    with pytest.raises(OSError):  # a timeout: nothing ever answers
+        urllib.request.urlopen(kube_api.url + "/api/v1/namespaces/default/configmaps/x", timeout=1)
+    kube_api.clear_faults()
+    url = kube_api.url + "/api/v1/namespaces/default/configmaps?watch=true"
+    with urllib.request.urlopen(url, timeout=10) as stream:
+        kube_api.wait_for(lambda: kube_api.handler.cluster.store.watchers, message="a watch")
+        kube_api.drop_watches("configmaps")
+        assert stream.read() == b""  # the server ended the stream
+
+
 def test_strategic_merge_patch_merges_lists_by_key(kube_api: KubeApi, k8s: Any) -> None:
     """Strategic merge patches merge containers (and env) by name. Not emulated exactly:
     merge keys come from a table of field names, not from the Go types' patch tags."""

@@ -227,18 +227,21 @@ def test_killed_mid_reconcile_resumes_without_duplicates(
         record_rbac(api)
 
 
-def test_conflicts_and_server_errors_are_retried(
+def test_throttling_and_server_errors_are_retried(
     cluster: EmulatedCluster, operator: OperatorProcess
 ) -> None:
+    """429 and 5xx answers are tried again: by the client (3 tries), then by kopf with
+    backoff. A 409 is not (a conflict with another field manager is reported instead:
+    test_faults.py and test_ownership.py)."""
     api = cluster.api
     deployments = kmock.resource("apps", "v1", "deployments")
-    api.handler[kmock.method.PATCH, deployments][:2] << 409
+    api.handler[kmock.method.PATCH, deployments][:4] << 429
     api.handler[kmock.method.GET, deployments][:1] << 503
     scenarios.create_converges(cluster)  # ends Ready, so the retries went through
     llmi = scenarios.get(cluster, "llmi", "tiny-cpu")
     assert scenarios.condition(llmi, "Degraded")["status"] == "False"
     metrics = operator.metrics()
-    assert 'brook_operator_reconcile_errors_total{code="409"} 2.0' in metrics
+    assert 'brook_operator_reconcile_errors_total{code="429"}' in metrics
     assert 'brook_operator_reconciles_total{result="error"}' in metrics
 
 

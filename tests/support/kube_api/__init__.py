@@ -38,7 +38,8 @@ Fixtures (``tests/integration/operator/conftest.py``)
   ``(verb, api_group, resource, namespace)`` the real server would make (an apply that
   creates needs ``patch`` and ``create``). ``clear_requests()``; ``rbac(user_agent="kopf")``
   collects the checks of one client; :func:`requests_matching` filters.
-* State helpers (no HTTP, not recorded; resources are named as kubectl names them:
+* State helpers (no HTTP, not recorded; they return copies, never the stored objects;
+  resources are named as kubectl names them:
   ``"deployments"``, ``"deploy"``, ``"llmi"``, ``"leases.coordination.k8s.io"``):
   ``get(resource, name, namespace=None) -> dict | None``,
   ``list(resource, namespace=None, *, label_selector="") -> list[dict]``,
@@ -51,6 +52,12 @@ Fixtures (``tests/integration/operator/conftest.py``)
   ``resource_version``.
 * ``kubectl(*args, input=None, check=True, timeout=60) -> CompletedProcess[str]``;
   ``client()`` -> a ``kubernetes.client.ApiClient``; ``wait_for(condition, timeout=10)``.
+* Faults (:mod:`.faults`): ``inject(verb=, resource=, namespace=, name=, user_agent=,
+  status=, retry_after=, hang=, delay=, times=) -> Fault`` answers the matching requests
+  with an error Status (429 with ``Retry-After``, 500, 503, 409 ...), or holds them
+  unanswered for ``hang`` seconds and drops the connection, before anything else answers;
+  ``Fault.hits`` counts them; ``clear_faults()``. ``drop_watches(resource=None)`` ends the
+  open watch streams, as an API server restart does.
 * ``handler``: the kmock handler. Reactions added with kmock's DSL answer before the
   emulation (fault injection), e.g. ``api.handler[kmock.method.PATCH,
   kmock.resource("apps", "v1", "deployments")] << 500`` (``[:1] << 500`` for one request
@@ -69,10 +76,11 @@ What is emulated
   ``create`` work without ``--validate=false``). ``/openapi/v2`` is 404.
 * Built-ins: namespaces, configmaps, secrets, serviceaccounts, services, pods, events,
   persistentvolumeclaims, nodes (core/v1); deployments, statefulsets, replicasets (apps/v1);
-  poddisruptionbudgets (policy/v1); customresourcedefinitions (apiextensions.k8s.io/v1);
-  events (events.k8s.io/v1); leases (coordination.k8s.io/v1); horizontalpodautoscalers
-  (autoscaling/v2); roles, rolebindings, clusterroles, clusterrolebindings (rbac/v1).
-  Namespaces default, kube-system, kube-public and kube-node-lease exist.
+  poddisruptionbudgets (policy/v1); networkpolicies (networking.k8s.io/v1);
+  customresourcedefinitions (apiextensions.k8s.io/v1); events (events.k8s.io/v1); leases
+  (coordination.k8s.io/v1); horizontalpodautoscalers (autoscaling/v2); roles,
+  rolebindings, clusterroles, clusterrolebindings (rbac/v1). Namespaces default,
+  kube-system, kube-public and kube-node-lease exist.
 * CRDs: creating/applying one registers its served versions (names, short names,
   categories, scope, status and scale subresources, printer columns, schema) at once and
   sets its Established/NamesAccepted conditions; deleting it removes them and its objects.
@@ -100,7 +108,8 @@ What is not (or only approximately)
 
 No validation (schemas, CEL, required fields, built-in types); no conversion between
 versions (only ``apiVersion`` is rewritten); strategic merge patch and server-side apply
-are approximations (lists merge by a fixed table of field names; applied lists are atomic);
+are approximations (lists merge by a fixed table of field names; applied lists are atomic,
+except custom resources' ``x-kubernetes-list-type: map`` lists, merged item by item);
 paginated lists are not a consistent snapshot; the garbage collector acts synchronously
 within the deleting request (real ones act a moment later); deleting a CRD drops its
 objects at once, finalizers or not; no aggregated discovery, no protobuf (except what

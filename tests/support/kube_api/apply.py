@@ -14,15 +14,23 @@ What is emulated:
   ``force=true``, which takes the ownership over, as in the real server; an Update takes
   ownership without conflicts.
 
-What is approximated: every list is atomic (owned and replaced as a whole: the real server
-merges ``listType=map``/``set`` lists item by item, e.g. containers by name); ``null`` in an
-applied configuration means "not applied"; fields only ever change owner as a whole leaf
-(no ``.`` ownership of maps); managedFields sent by clients are ignored.
+* Lists a custom resource's schema marks ``x-kubernetes-list-type: map`` (with
+  ``x-kubernetes-list-map-keys``, e.g. ``status.conditions`` keyed by ``type``) merge item
+  by item, and each item's fields are owned by whoever applied them (``k:{"type":"Ready"}``
+  in FieldsV1): two managers applying different conditions both keep theirs, and a manager
+  that stops applying an item removes only that item.
+
+What is approximated: every other list is atomic (owned and replaced as a whole: the real
+server also merges the built-in types' list maps and sets item by item, e.g. containers by
+name, and ``listType=set`` lists of custom resources); ``null`` in an applied configuration
+means "not applied"; fields only ever change owner as a whole leaf (no ``.`` ownership of
+maps); managedFields sent by clients are ignored.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +38,10 @@ from typing import Any
 from . import errors, objects
 
 FieldPath = tuple[str, ...]
+#: Lists merged item by item: their path (map keys only, see :func:`schema_path`) → the
+#: item fields that identify an item (``x-kubernetes-list-map-keys``).
+ListMaps = Mapping[FieldPath, tuple[str, ...]]
+NO_LIST_MAPS: ListMaps = {}
 
 #: Metadata fields the server owns or that identify the object: never "managed".
 _SERVER_METADATA = frozenset(
@@ -80,16 +92,50 @@ def in_scope(path: FieldPath, status_part: bool | None) -> bool:
     return (path[:1] == ("status",)) == status_part
 
 
-def _leaves(value: Any, prefix: FieldPath) -> Iterator[tuple[FieldPath, Any]]:
+def schema_path(path: FieldPath) -> FieldPath:
+    """A field path without its list-item elements: where its schema is."""
+    return tuple(p for p in path if not p.startswith("k:"))
+
+
+def item_element(item: Mapping[str, Any], keys: tuple[str, ...]) -> str:
+    """The path element of a list-map item, as FieldsV1 writes it: ``k:{"type":"Ready"}``."""
+    return "k:" + json.dumps({k: item.get(k) for k in keys}, sort_keys=True, separators=(",", ":"))
+
+
+def _item_keys(element: str) -> dict[str, Any]:
+    keys: dict[str, Any] = json.loads(element[2:])
+    return keys
+
+
+def _is_list_map(value: Any, prefix: FieldPath, list_maps: ListMaps) -> bool:
+    return (
+        isinstance(value, list)
+        and schema_path(prefix) in list_maps
+        and all(isinstance(item, Mapping) for item in value)
+    )
+
+
+def _leaves(
+    value: Any, prefix: FieldPath, list_maps: ListMaps = NO_LIST_MAPS
+) -> Iterator[tuple[FieldPath, Any]]:
     if isinstance(value, Mapping) and value:
         for key, nested in value.items():
-            yield from _leaves(nested, (*prefix, str(key)))
+            yield from _leaves(nested, (*prefix, str(key)), list_maps)
+    elif _is_list_map(value, prefix, list_maps):
+        keys = list_maps[schema_path(prefix)]
+        for item in value:  # an empty list map claims nothing
+            yield from _leaves(item, (*prefix, item_element(item, keys)), list_maps)
     else:
         yield prefix, value
 
 
-def leaf_values(obj: Mapping[str, Any], status_part: bool | None = None) -> dict[FieldPath, Any]:
-    """The owned leaves of an object: maps are descended, lists and scalars are leaves."""
+def leaf_values(
+    obj: Mapping[str, Any],
+    status_part: bool | None = None,
+    list_maps: ListMaps = NO_LIST_MAPS,
+) -> dict[FieldPath, Any]:
+    """The owned leaves of an object: maps and list maps are descended, other lists and
+    scalars are leaves."""
     result: dict[FieldPath, Any] = {}
     for key, value in obj.items():
         if key in ("apiVersion", "kind") or value is None:
@@ -98,7 +144,7 @@ def leaf_values(obj: Mapping[str, Any], status_part: bool | None = None) -> dict
             value = {k: v for k, v in value.items() if k not in _SERVER_METADATA}
             if not value:
                 continue
-        for path, leaf in _leaves(value, (key,)):
+        for path, leaf in _leaves(value, (key,), list_maps):
             if leaf is not None and in_scope(path, status_part):
                 result[path] = leaf
     return result
@@ -109,7 +155,10 @@ def fields_v1(paths: set[FieldPath]) -> dict[str, Any]:
     for path in sorted(paths):
         node = tree
         for part in path:
-            node = node.setdefault(f"f:{part}", {})
+            if part.startswith("k:"):
+                node = node.setdefault(part, {".": {}})
+            else:
+                node = node.setdefault(f"f:{part}", {})
     return tree
 
 
@@ -118,39 +167,104 @@ def _overlaps(a: FieldPath, b: FieldPath) -> bool:
     return a[:shorter] == b[:shorter]
 
 
+def _find_item(items: list[Any], element: str) -> int | None:
+    keys = _item_keys(element)
+    for index, item in enumerate(items):
+        if isinstance(item, Mapping) and all(item.get(k) == v for k, v in keys.items()):
+            return index
+    return None
+
+
+def _step(current: Any, part: str) -> Any:
+    """The child ``part`` of a map, or the item ``part`` (``k:{...}``) of a list map."""
+    if isinstance(current, list) and part.startswith("k:"):
+        index = _find_item(current, part)
+        return _MISSING if index is None else current[index]
+    if isinstance(current, Mapping) and part in current:
+        return current[part]
+    return _MISSING
+
+
 def _value_at(obj: Mapping[str, Any], path: FieldPath) -> Any:
     current: Any = obj
     for part in path:
-        if not isinstance(current, Mapping) or part not in current:
+        current = _step(current, part)
+        if current is _MISSING:
             return _MISSING
-        current = current[part]
     return current
 
 
+def _remove(container: Any, part: str) -> None:
+    if isinstance(container, list):
+        index = _find_item(container, part)
+        if index is not None:
+            del container[index]
+    elif isinstance(container, dict):
+        container.pop(part, None)
+
+
+def _emptied(node: Any, prefix: FieldPath, keep: set[FieldPath]) -> bool:
+    """Whether ``node`` (at ``prefix``) is left with nothing anyone owns: an empty map or
+    list, or a list-map item in which nobody owns more than the key fields (what is left
+    in it, defaults say, goes with it: the real server removes an item with its owner)."""
+    if prefix[-1].startswith("k:") and isinstance(node, Mapping):
+        keys = _item_keys(prefix[-1])
+        owned = [k for k in keep if len(k) > len(prefix) and k[: len(prefix)] == prefix]
+        return all(k[len(prefix)] in keys for k in owned)
+    return not node and not any(_overlaps(prefix, k) for k in keep)
+
+
 def _delete_at(obj: dict[str, Any], path: FieldPath, keep: set[FieldPath]) -> None:
-    """Delete a leaf, then the maps it leaves empty (unless some kept path needs them)."""
-    chain: list[dict[str, Any]] = [obj]
+    """Delete a leaf, then the maps, list-map items and lists it leaves empty (unless some
+    kept path needs them). An item's key fields go with the item, never alone."""
+    chain: list[Any] = [obj]
     for part in path[:-1]:
-        nested = chain[-1].get(part)
-        if not isinstance(nested, dict):
+        nested = _step(chain[-1], part)
+        if not isinstance(nested, (dict, list)):
             return
         chain.append(nested)
-    chain[-1].pop(path[-1], None)
+    if len(path) > 1 and path[-2].startswith("k:") and path[-1] in _item_keys(path[-2]):
+        pass  # a key field: removed with its item below, once nothing else is left in it
+    else:
+        _remove(chain[-1], path[-1])
     for depth in range(len(path) - 1, 0, -1):
-        prefix = path[:depth]
-        if chain[depth] or any(_overlaps(prefix, k) for k in keep) or depth == 1:
+        if depth == 1 or not _emptied(chain[depth], path[:depth], keep):
             break
-        chain[depth - 1].pop(path[depth - 1], None)
+        _remove(chain[depth - 1], path[depth - 1])
 
 
-def _deep_merge(target: dict[str, Any], applied: Mapping[str, Any]) -> None:
+def _deep_merge(
+    target: dict[str, Any],
+    applied: Mapping[str, Any],
+    list_maps: ListMaps = NO_LIST_MAPS,
+    prefix: FieldPath = (),
+) -> None:
     for key, value in applied.items():
         if value is None:
             continue
+        path = (*prefix, key)
         if isinstance(value, Mapping) and isinstance(target.get(key), dict):
-            _deep_merge(target[key], value)
+            _deep_merge(target[key], value, list_maps, path)
+        elif _is_list_map(value, path, list_maps) and _is_list_map(
+            target.get(key), path, list_maps
+        ):
+            _merge_items(target[key], value, list_maps, path)
         else:
             target[key] = copy.deepcopy(value)
+
+
+def _merge_items(
+    target: list[Any], applied: list[Any], list_maps: ListMaps, path: FieldPath
+) -> None:
+    """Merge applied list-map items into ``target`` by their keys (new ones at the end)."""
+    keys = list_maps[schema_path(path)]
+    for item in applied:
+        element = item_element(item, keys)
+        index = _find_item(target, element)
+        if index is None:
+            target.append(copy.deepcopy(dict(item)))
+        else:
+            _deep_merge(target[index], item, list_maps, (*path, element))
 
 
 def strip_nulls(value: Any) -> Any:
@@ -180,10 +294,11 @@ def track_update(
     subresource: str,
     api_version: str,
     status_part: bool | None,
+    list_maps: ListMaps = NO_LIST_MAPS,
 ) -> list[ManagerEntry]:
     """Record a non-apply write: the changed leaves move to the writer's Update entry."""
-    before = leaf_values(old, status_part)
-    after = leaf_values(new, status_part)
+    before = leaf_values(old, status_part, list_maps)
+    after = leaf_values(new, status_part, list_maps)
     changed = {p for p, v in after.items() if before.get(p, _MISSING) != v}
     removed = set(before) - set(after)
     touched = changed | removed
@@ -211,10 +326,11 @@ def server_side_apply(
     group: str,
     plural: str,
     name: str,
+    list_maps: ListMaps = NO_LIST_MAPS,
 ) -> tuple[dict[str, Any], list[ManagerEntry]]:
     """Merge an applied configuration into ``current``; raise 409 on conflicts."""
     config = strip_nulls(applied)
-    wanted = leaf_values(config, status_part)
+    wanted = leaf_values(config, status_part, list_maps)
     new_set = set(wanted)
     others = [e for e in entries if e.manager != manager]
     conflicts: list[tuple[str, FieldPath]] = []
@@ -240,7 +356,7 @@ def server_side_apply(
         for k, v in config.items()
         if k in ("apiVersion", "kind", "metadata") or in_scope((k,), status_part)
     }
-    _deep_merge(result, scoped)
+    _deep_merge(result, scoped, list_maps)
     if applier.fields != new_set:
         applier.time = objects.timestamp()
     applier.fields = new_set
@@ -248,7 +364,14 @@ def server_side_apply(
 
 
 def _dotted(path: FieldPath) -> str:
-    return "." + ".".join(path)
+    """As the real server names a field: ``.status.conditions[type="Ready"].status``."""
+    out = ""
+    for part in path:
+        if part.startswith("k:"):
+            out += "".join(f"[{k}={json.dumps(v)}]" for k, v in _item_keys(part).items())
+        else:
+            out += "." + part
+    return out
 
 
 def _conflict_error(

@@ -191,7 +191,11 @@ class Cluster:
         if spec.group_resource not in NO_GENERATION:
             meta["generation"] = 1
         if applied:
-            owned = apply.leaf_values(apply.strip_nulls(body), False if spec.status else None)
+            owned = apply.leaf_values(
+                apply.strip_nulls(body),
+                False if spec.status else None,
+                schema.list_maps(spec.schema),
+            )
             entries = [
                 ManagerEntry(
                     writer.manager, "Apply", "", spec.api_version, objects.timestamp(), set(owned)
@@ -206,6 +210,7 @@ class Cluster:
                 subresource="",
                 api_version=spec.api_version,
                 status_part=None,
+                list_maps=schema.list_maps(spec.schema),
             )
         return self._store(spec, obj, entries, writer, created=True)
 
@@ -328,6 +333,7 @@ class Cluster:
             group=spec.group,
             plural=spec.plural,
             name=name,
+            list_maps=schema.list_maps(spec.schema),
         )
         meta_rv = (config.get("metadata") or {}).get("resourceVersion")
         merged.setdefault("metadata", {})["resourceVersion"] = (
@@ -426,6 +432,7 @@ class Cluster:
                 subresource=subresource,
                 api_version=spec.api_version,
                 status_part=self._status_part(spec, subresource),
+                list_maps=schema.list_maps(spec.schema),
             )
         meta["managedFields"] = [e.render() for e in entries]
         if not meta["managedFields"]:

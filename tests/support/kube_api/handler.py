@@ -29,6 +29,7 @@ import yaml
 from . import discovery, errors, protobuf, routing, tables
 from .apply import manager_from_user_agent
 from .cluster import Cluster
+from .faults import Fault
 from .options import DeleteOptions, Writer
 from .records import RecordedRequest, k8s_verb
 from .resources import ResourceSpec
@@ -110,6 +111,8 @@ class KubeApiHandler(kmock.RawHandler):
     records: list[RecordedRequest] = attrs.field(factory=list)
     #: Unexpected exceptions (bugs) while serving: the fixture fails the test on them.
     internal_errors: list[BaseException] = attrs.field(factory=list)
+    #: Injected faults (:mod:`.faults`), checked before kmock's reactions and the emulation.
+    faults: list[Fault] = attrs.field(factory=list)
 
     async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
         raw_body = await raw_request.read()
@@ -134,6 +137,13 @@ class KubeApiHandler(kmock.RawHandler):
             name=target.name,
         )
         self.records.append(record)
+        fault = next((f for f in self.faults if f.matches(record)), None)
+        if fault is not None:
+            fault.hits += 1
+            answer = await self._fault(raw_request, fault)
+            if answer is not None:
+                record.status = answer.status
+                return answer
         try:
             body = _parse_body(raw_body, content_type)
             record.body = body
@@ -159,6 +169,24 @@ class KubeApiHandler(kmock.RawHandler):
             )
         if not record.status:
             record.status = response.status
+        return response
+
+    async def _fault(
+        self, raw_request: aiohttp.web.BaseRequest, fault: Fault
+    ) -> aiohttp.web.StreamResponse | None:
+        """The injected answer (None: serve the request after the fault's delay)."""
+        if fault.delay:
+            await asyncio.sleep(fault.delay)
+        if fault.hang is not None:
+            await asyncio.sleep(fault.hang)
+            if raw_request.transport is not None:
+                raw_request.transport.abort()  # no answer, ever: the connection drops
+            raise ConnectionResetError("injected fault: connection dropped")
+        if fault.status is None:
+            return None
+        response = _error_response(fault.error())
+        if fault.retry_after:
+            response.headers["Retry-After"] = str(fault.retry_after)
         return response
 
     async def _react(self, request: kmock.Request) -> aiohttp.web.StreamResponse | None:

@@ -184,6 +184,7 @@ BUILTIN_RESOURCES: tuple[ResourceSpec, ...] = (
     _builtin(
         "policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", short=("pdb",), status=True
     ),
+    _builtin("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy", short=("netpol",)),
     _builtin(
         "apiextensions.k8s.io",
         "v1",

@@ -3,6 +3,9 @@ on every write (CRD ``openAPIV3Schema``): unknown fields are dropped unless
 ``x-kubernetes-preserve-unknown-fields``; ``default`` values fill absent fields (and
 non-nullable nulls), top-down, so a defaulted ``{}`` gets its own nested defaults.
 
+The lists the schema marks ``x-kubernetes-list-type: map`` (:func:`list_maps`) are merged
+item by item by server-side apply (:mod:`.apply`).
+
 NOT emulated: validation (types, required, enums, patterns, CEL ``x-kubernetes-validations``)
 -- the server accepts anything structurally shaped; ``fieldValidation=Strict`` is accepted
 and ignored; ``allOf``/``anyOf``/``oneOf``/``not`` are not descended.
@@ -67,6 +70,26 @@ def default(value: Any, schema: Mapping[str, Any]) -> Any:
         if isinstance(items, Mapping):
             return [default(item, items) for item in value]
     return value
+
+
+def list_maps(schema: Mapping[str, Any] | None) -> dict[tuple[str, ...], tuple[str, ...]]:
+    """Every ``x-kubernetes-list-type: map`` list of a structural schema: its path (map keys
+    only, list items add no element) → its ``x-kubernetes-list-map-keys``. The lists under
+    ``additionalProperties`` (no fixed path) and inside atomic lists are not included."""
+    found: dict[tuple[str, ...], tuple[str, ...]] = {}
+
+    def walk(node: Mapping[str, Any], path: tuple[str, ...]) -> None:
+        for key, prop in (node.get("properties") or {}).items():
+            if isinstance(prop, Mapping):
+                walk(prop, (*path, key))
+        items = node.get("items")
+        if node.get("x-kubernetes-list-type") == "map" and isinstance(items, Mapping):
+            found[path] = tuple(node.get("x-kubernetes-list-map-keys") or ())
+            walk(items, path)
+
+    if schema:
+        walk(schema, ())
+    return found
 
 
 def prune_and_default(obj: dict[str, Any], schema: Mapping[str, Any] | None) -> dict[str, Any]:

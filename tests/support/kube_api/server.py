@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import copy
 import os
 import shutil
 import subprocess
@@ -20,6 +21,7 @@ import yaml
 
 from . import errors, kubeconfig
 from .cluster import Cluster
+from .faults import Fault
 from .handler import KubeApiHandler
 from .options import DeleteOptions, Writer
 from .records import RbacAttributes, RecordedRequest
@@ -162,6 +164,24 @@ class KubeApi:
         way: this empties its list of reactions), so the emulation answers everything."""
         self._server.call(self.handler._payloads.clear)
 
+    def inject(self, **fault: Any) -> Fault:
+        """Answer the matching requests with a fault (:class:`.faults.Fault`: ``verb``,
+        ``resource``, ``namespace``, ``name``, ``user_agent``; ``status``, ``retry_after``,
+        ``hang``, ``delay``; ``times``) before anything else answers them. Its ``hits`` say
+        how many requests met it."""
+        injected = Fault(**fault)
+        self._server.call(self.handler.faults.append, injected)
+        return injected
+
+    def clear_faults(self) -> None:
+        self._server.call(self.handler.faults.clear)
+
+    def drop_watches(self, resource: str | None = None) -> None:
+        """End every open watch stream (of ``resource``, e.g. ``"llmi"``, or all), as an API
+        server restart or a load balancer does; clients must watch again."""
+        group_resource = self._spec(resource).group_resource if resource else None
+        self._server.call(self.handler.cluster.store.close_watchers, group_resource)
+
     @property
     def requests(self) -> list[RecordedRequest]:
         """A snapshot of every request so far, oldest first."""
@@ -185,6 +205,11 @@ class KubeApi:
         return self._server.call(lambda: list(self.handler.internal_errors))
 
     # -- state helpers (the tests playing the controllers' part) -----------------------------
+
+    def _copy(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn``'s result copied on the server's loop: the stored objects never leave it (a
+        test changing what it read must not change the server's state behind its back)."""
+        return self._server.call(lambda: copy.deepcopy(fn(*args)))
 
     def _spec(self, resource: str) -> ResourceSpec:
         try:
@@ -213,7 +238,7 @@ class KubeApi:
         .k8s.io`` …) and name, or None."""
         spec = self._spec(resource)
         try:
-            return self._server.call(self.handler.cluster.get, spec, namespace, name)
+            return self._copy(self.handler.cluster.get, spec, namespace, name)
         except errors.ApiError as exc:
             if exc.code == 404:
                 return None
@@ -223,7 +248,7 @@ class KubeApi:
         self, resource: str, namespace: str | None = None, *, label_selector: str = ""
     ) -> list[JsonObject]:
         spec = self._spec(resource)
-        items, _ = self._server.call(
+        items, _ = self._copy(
             self.handler.cluster.list_objects, spec, namespace, label_selector, ""
         )
         return items
@@ -231,7 +256,7 @@ class KubeApi:
     def create(self, obj: Mapping[str, Any], namespace: str | None = None) -> JsonObject:
         """Create an object (its kind and apiVersion say where); like a POST."""
         spec = self._spec_of(obj)
-        return self._server.call(
+        return self._copy(
             self.handler.cluster.create, spec, namespace, dict(obj), Writer(TEST_MANAGER)
         )
 
@@ -251,7 +276,7 @@ class KubeApi:
             or obj["metadata"].get("namespace")
             or ("default" if spec.namespaced else None)
         )
-        result, _ = self._server.call(
+        result, _ = self._copy(
             self.handler.cluster.patch,
             spec,
             ns,
@@ -288,8 +313,8 @@ class KubeApi:
         """Write an object's status as its controller would (merge-patch of ``/status``; the
         whole status with ``merge=False``): e.g. a Deployment's ``readyReplicas``."""
         spec = self._spec(resource)
-        return self._server.call(
-            self.handler.cluster.set_status, spec, namespace, name, status, merge=merge
+        return self._copy(
+            lambda: self.handler.cluster.set_status(spec, namespace, name, status, merge=merge)
         )
 
     def delete(

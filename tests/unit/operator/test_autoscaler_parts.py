@@ -103,12 +103,18 @@ def test_status_records_changes_keeps_ten_and_sets_conditions() -> None:
         current = 2 + i % 2
         decision = decide(fleet(current, kv=0.95), current, policy, [], 0.0)
         status = autoscaling_status(previous, decision, current, f"t{i}", 1, dry_run=False)
+        # Its own three conditions only: a condition of another writer, carried over from
+        # this snapshot, would undo that writer's newer changes when applied.
+        assert [c["type"] for c in status["conditions"]] == [
+            "MetricsAvailable",
+            "ScalingActive",
+            "ScalingLimited",
+        ]
         previous = {**previous, **status}
     decisions = previous["autoscaling"]["lastDecisions"]
     assert len(decisions) == KEPT_DECISIONS
     assert decisions[-1]["time"] == "t11"
     conditions = _conditions(previous)
-    assert conditions["Ready"]["status"] == "True", "a condition the autoscaler does not own"
     assert conditions["MetricsAvailable"]["status"] == "True"
     assert conditions["ScalingActive"]["status"] == "True"
     # At 3 (= max) under load: limited AtMax; desiredReplicas follows the decision.
@@ -167,3 +173,49 @@ def test_overlap_rule_applies_to_pipelined_replicas_only() -> None:
     packed = decide(quiet, 4, policy_for(pipelined, pipelined.spec.autoscaling), history, NOW)
     assert kept.desired == 4
     assert packed.desired == 3 and "under-fed" in packed.reason
+
+
+@pytest.mark.parametrize("value", ["NaN", "+Inf", "-Inf"])
+@pytest.mark.parametrize(
+    "metric",
+    [
+        "brook_engine_kv_cache_usage_ratio",
+        "brook_engine_num_requests_waiting",
+        "brook_engine_num_requests_running",
+        "brook_engine_comm_compute_overlap_ratio",
+    ],
+)
+def test_parse_refuses_non_finite_values(metric: str, value: str) -> None:
+    """NaN and ±Inf are valid exposition values and slip past range checks (NaN < 0 is
+    False): a pod reporting one has no usable sample, as when its scrape fails."""
+    lines = {
+        "brook_engine_kv_cache_usage_ratio": "0.5",
+        "brook_engine_num_requests_waiting": "1",
+        "brook_engine_num_requests_running": "2",
+        "brook_engine_comm_compute_overlap_ratio": "0.9",
+    }
+    lines[metric] = value
+    text = "".join(f"{name} {number}\n" for name, number in lines.items())
+    with pytest.raises(ScrapeError, match="not finite"):
+        parse_metrics(text)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_signal_is_stale_not_an_error(bad: float) -> None:
+    """Signals that reach ``decide`` with a non-finite value (another scraper, a replay)
+    make that replica's sample stale: the round holds instead of raising every time."""
+    for signals in (
+        fleet(2, kv=bad),
+        fleet(2, waiting=bad),
+        fleet(2, overlap=bad),
+        fleet(2, running=bad),
+    ):
+        decision = decide(signals, 2, BASE, [], NOW)
+        assert decision.desired == 2
+        assert not decision.metrics_available
+        assert decision.limited_by == "Stale"
+    # One bad replica among good ones: the good ones decide.
+    mixed = fleet(1, kv=bad, prefix="bad") + fleet(2, kv=0.5)
+    decision = decide(mixed, 3, BASE, [], NOW)
+    assert decision.metrics_available
+    assert decision.aggregate.replicas_reporting == 2

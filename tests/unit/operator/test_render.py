@@ -97,7 +97,13 @@ def test_children_match_golden_files(path: Path) -> None:
 
 def test_single_pod_replica_is_a_deployment_with_all_devices() -> None:
     children = _by_kind(render_children(_llmi("llama-70b-npu-tp8"), SETTINGS))
-    assert set(children) == {"ConfigMap", "Service", "Deployment", "PodDisruptionBudget"}
+    assert set(children) == {
+        "ConfigMap",
+        "NetworkPolicy",
+        "Service",
+        "Deployment",
+        "PodDisruptionBudget",
+    }
     pod = children["Deployment"]["spec"]["template"]
     engine = pod["spec"]["containers"][0]
     assert engine["resources"]["limits"]["huawei.com/Ascend910"] == 8

@@ -79,11 +79,19 @@ def test_missing_leader_worker_set_api_is_degraded_with_its_reason() -> None:
     assert _conditions(status)["Ready"]["status"] == "False"
 
 
-def test_invalid_spec_names_the_field_and_keeps_other_conditions() -> None:
+def test_invalid_spec_names_the_field_and_keeps_its_other_fields() -> None:
+    """Status is applied server-side by one writer per set of fields: the invalid status
+    holds every field of the reconciler's (those it left out would be removed) as it was,
+    and none of the autoscaler's (which stays on the server, owned by the autoscaler)."""
     body = yaml.safe_load((ROOT / "crds" / "examples" / "tiny-cpu.yaml").read_text())
     body["metadata"]["generation"] = 4
     body["spec"]["parallel"] = {"tensor": 0}
-    body["status"] = {"conditions": [{"type": "ScalingActive", "status": "True"}]}
+    degraded = {"type": "Degraded", "status": "False", "reason": "AsExpected"}
+    body["status"] = {
+        "replicas": 2,
+        "selector": "a=b",
+        "conditions": [{"type": "ScalingActive", "status": "True"}, degraded],
+    }
     with pytest.raises(ValidationError) as caught:
         parse(body)
     message = spec_error(caught.value)
@@ -93,7 +101,9 @@ def test_invalid_spec_names_the_field_and_keeps_other_conditions() -> None:
     assert conditions["SpecValid"]["status"] == "False"
     assert conditions["SpecValid"]["reason"] == "InvalidSpec"
     assert "spec.parallel.tensor" in conditions["SpecValid"]["message"]
-    assert conditions["ScalingActive"]["status"] == "True"
+    assert conditions["Degraded"] == degraded
+    assert "ScalingActive" not in conditions
+    assert (status["replicas"], status["selector"]) == (2, "a=b")
     assert status["observedGeneration"] == 4
 
 
