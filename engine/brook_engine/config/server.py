@@ -62,6 +62,11 @@ class ServerOptions(Section):
     body_read_timeout_seconds: float = Field(default=60, gt=0, le=3600)
     """A request body not complete this long after its headers is refused with 408."""
 
+    stream_stall_seconds: float = Field(default=60, gt=0, le=3600)
+    """A call whose outputs stay unread this long while its requests keep generating (a
+    streaming client that stopped reading) has its requests aborted and their KV blocks
+    freed."""
+
     @model_validator(mode="after")
     def _connections_above_requests(self) -> ServerOptions:
         if self.max_connections <= self.max_concurrent_requests:

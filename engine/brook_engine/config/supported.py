@@ -1,20 +1,27 @@
 """Settings this engine build cannot honour yet: refused, never ignored. Torch-free, so the
-engine, ``brook validate`` and the operator can all call it."""
+engine, ``brook validate`` and the operator (its SpecValid condition) all call the same
+check, and the CRD carries its twin as CEL rules (``kubectl apply`` refuses them too)."""
 
 from __future__ import annotations
 
 from brook_engine.config.base import ConfigError
-from brook_engine.config.engine import EngineConfig
+from brook_engine.config.sections import EngineSections
 
 
-def check_supported(config: EngineConfig) -> None:
-    """Raise ``ConfigError`` naming every setting this build cannot honour yet."""
+def unsupported_settings(sections: EngineSections) -> list[str]:
+    """One message per setting this build cannot honour, naming the field and the fix."""
     problems = []
-    if config.offload.policy != "none":
+    if sections.offload.policy != "none":
         problems.append("offload.policy: weight offload is not available yet; use none")
-    if config.quantization.weights != "none":
+    if sections.quantization.weights != "none":
         problems.append("quantization.weights: w8a16 is not available yet; use none")
-    if config.shapes.mode != "eager":
+    if sections.shapes.mode != "eager":
         problems.append("shapes.mode: compile is not available yet; use eager")
+    return problems
+
+
+def check_supported(sections: EngineSections) -> None:
+    """Raise ``ConfigError`` naming every setting this build cannot honour yet."""
+    problems = unsupported_settings(sections)
     if problems:
         raise ConfigError("; ".join(problems))

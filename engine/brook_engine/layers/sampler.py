@@ -7,23 +7,12 @@ one bad request never fails the others in the batch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
+from brook_engine.parallel.plan import SampleResult
 from brook_engine.sampling_params import SamplingParams
 
-
-@dataclass
-class SampleResult:
-    token_ids: list[int]
-    # Per sequence, when logprobs were asked for: (sampled logprob, {token: logprob} top-n)
-    logprobs: list[tuple[float, dict[int, float]] | None]
-    # Per sequence, why it could not be sampled (its token is then meaningless); empty: none
-    errors: list[str | None] = field(default_factory=list)
-
-    def error(self, row: int) -> str | None:
-        return self.errors[row] if self.errors else None
+__all__ = ["SampleResult", "SamplingFailed", "sample"]
 
 
 class SamplingFailed(RuntimeError):

@@ -40,10 +40,8 @@ class StepPlan:
 
 @dataclass
 class SampleResult:
-    """The sampler's answer for one chunk, as rank 0 reads it from the last stage.
-
-    ``layers.sampler.SampleResult`` has the same fields and methods (a test keeps them so):
-    the layers sit above ``parallel``, so the wire's type is declared here."""
+    """The sampler's answer (``layers.sampler.sample``): per sequence its token, logprobs
+    and error; what the last stage sends rank 0 for each sampling chunk."""
 
     token_ids: list[int]
     # Per sequence, when logprobs were asked for: (sampled logprob, {token: logprob} top-n)

@@ -145,7 +145,7 @@ async def _load(
                 engine.shutdown()
                 raise
 
-        state.engine = await AsyncEngine.launch(build, on_fatal)
+        state.engine = await AsyncEngine.launch(build, on_fatal, config.server.stream_stall_seconds)
         check_stop()
         engine = state.engine.engine
         state.tokenizer = engine.tokenizer

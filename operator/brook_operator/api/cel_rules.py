@@ -46,6 +46,22 @@ _PER_NODE = "self.accelerator.devicesPerNode"
 
 CEL_RULES: dict[type[BaseModel], list[Rule]] = {
     LLMInferenceSpec: [
+        # What this engine build cannot honour yet (brook_engine.config.supported).
+        Rule(
+            "self.offload.policy == 'none'",
+            "offload.policy: weight offload is not available yet; use none",
+            ".offload.policy",
+        ),
+        Rule(
+            "self.quantization.weights == 'none'",
+            "quantization.weights: w8a16 is not available yet; use none",
+            ".quantization.weights",
+        ),
+        Rule(
+            "self.shapes.mode == 'eager'",
+            "shapes.mode: compile is not available yet; use eager",
+            ".shapes.mode",
+        ),
         Rule(
             "!(has(self.replicas) && has(self.autoscaling))",
             "set replicas or autoscaling, not both: with autoscaling the replica count "

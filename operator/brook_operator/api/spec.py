@@ -17,6 +17,7 @@ from brook_engine.config import (
     ServerConfig,
     ServerOptions,
 )
+from brook_engine.config.supported import unsupported_settings
 from brook_operator.api.autoscaling import AutoscalingSpec
 from brook_operator.api.kube import ResourcesSpec, RolloutSpec, SchedulingSpec, SecretKeyRef
 
@@ -167,7 +168,7 @@ class LLMInferenceSpec(EngineSections, _SpecHead):
 
     @model_validator(mode="after")
     def _kubernetes_rules(self) -> LLMInferenceSpec:
-        problems = spec_problems(self)
+        problems = spec_problems(self) + unsupported_settings(self)
         if problems:
             raise ValueError("; ".join(problems))
         try:

@@ -34,6 +34,10 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
         "spec.kvCache.layerPolicies[0].dtype",
     ),
     ("quantization-enum", {"spec.quantization.weights": "int4"}, "spec.quantization.weights"),
+    # Settings the engine cannot honour yet are refused at apply time, not in a crash loop.
+    ("w8a16-not-built", {"spec.quantization.weights": "w8a16"}, "spec.quantization.weights"),
+    ("offload-not-built", {"spec.offload.policy": "static"}, "spec.offload.policy"),
+    ("compile-not-built", {"spec.shapes.mode": "compile"}, "spec.shapes.mode"),
     ("offload-policy-enum", {"spec.offload.policy": "sometimes"}, "spec.offload.policy"),
     ("tp-pp-does-not-fit", {"spec.parallel.tensor": 3}, "spec.parallel"),
     (
@@ -103,12 +107,12 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
     ("block-size-enum", {"spec.kvCache.blockSize": 24}, "spec.kvCache.blockSize"),
     (
         "offload-without-budget",
-        {"spec.offload.deviceMemoryLimitGb": DELETE},
+        {"spec.offload": {"policy": "adaptive", "cpuMemoryPoolGb": 128}},
         "spec.offload.deviceMemoryLimitGb",
     ),
     (
         "offload-priority-twice",
-        {"spec.offload.priorityLayers": ["ffn", "ffn"]},
+        {"spec.offload": {"priorityLayers": ["ffn", "ffn"]}},
         "spec.offload.priorityLayers",
     ),
     (
