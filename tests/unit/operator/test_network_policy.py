@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from pydantic import ValidationError
 
 from brook_operator.api import LLMInference, to_engine_config
@@ -18,6 +17,7 @@ from brook_operator.render import OperatorSettings, render_children
 from brook_operator.render.network_policy import LWS_GROUP_INDEX_LABEL
 from brook_operator.render.pod import LWS_WORKER_INDEX_LABEL
 from brook_operator.render.settings import RENDEZVOUS_PORT
+from support.examples import example_manifest
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = sorted((ROOT / "crds" / "examples").glob("*.yaml"))
@@ -34,20 +34,8 @@ ALLOWED = [
 ]
 
 
-def _manifest(name: str, **changes: Any) -> dict[str, Any]:
-    obj = yaml.safe_load((ROOT / "crds" / "examples" / f"{name}.yaml").read_text())
-    for path, value in changes.items():
-        node = obj["spec"]
-        *parents, leaf = path.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    obj["metadata"]["uid"] = "00000000-0000-0000-0000-000000000001"
-    return dict(obj)
-
-
 def _llmi(name: str, **changes: Any) -> LLMInference:
-    return LLMInference.model_validate(_manifest(name, **changes))
+    return LLMInference.model_validate(example_manifest(name, **changes))
 
 
 def _policies(children: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -206,7 +194,7 @@ def test_allowed_clients_stay_out_of_the_engine_config() -> None:
     ids=["empty-list", "empty-peer", "bad-label-value", "unknown-field"],
 )
 def test_bad_allowed_clients_are_refused(clients: list[Any]) -> None:
-    manifest = _manifest("tiny-cpu", **{"server.allowedClients": copy.deepcopy(clients)})
+    manifest = example_manifest("tiny-cpu", **{"server.allowedClients": copy.deepcopy(clients)})
     problems = validate_object(manifest)
     assert problems and all(p.path.startswith("spec.server.allowedClients") for p in problems)
     with pytest.raises(ValidationError):

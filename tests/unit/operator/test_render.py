@@ -25,6 +25,7 @@ from brook_operator.render import (
     with_owner,
 )
 from brook_operator.render.pod import LWS_WORKER_INDEX_LABEL, termination_grace_seconds
+from support.examples import example_manifest
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = sorted((ROOT / "crds" / "examples").glob("*.yaml"))
@@ -33,15 +34,7 @@ SETTINGS = OperatorSettings(engine_image="registry.example/brook-engine:test")
 
 
 def _llmi(name: str, **changes: Any) -> LLMInference:
-    obj = yaml.safe_load((ROOT / "crds" / "examples" / f"{name}.yaml").read_text())
-    for path, value in changes.items():
-        node = obj["spec"]
-        *parents, leaf = path.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    obj["metadata"]["uid"] = "00000000-0000-0000-0000-000000000001"
-    return LLMInference.model_validate(obj)
+    return LLMInference.model_validate(example_manifest(name, **changes))
 
 
 def _by_kind(children: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
