@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import socket
 import sys
 from collections.abc import Sequence
@@ -99,10 +100,19 @@ def _cmd_operator(args: argparse.Namespace) -> int:
     del handlers  # imported for its registrations
     # An explicit identity: kopf's default asks getpass for a user name, which fails for a
     # uid without a passwd entry (the image's non-root user).
-    identity = os.environ.get("POD_NAME") or socket.gethostname()
+    # The chart sets POD_ID (the pod's name); elsewhere several processes may share a host.
+    identity = (
+        os.environ.get("POD_ID")
+        or os.environ.get("POD_NAME")
+        or f"{socket.gethostname()}-{os.getpid()}"
+    )
     kopf.run(
         identity=identity,  # type: ignore[arg-type]  # kopf.Identity is a NewType of str
-        standalone=True,
+        standalone=args.peering is None,
+        peering_name=args.peering,
+        # Peers of equal priority would all act (kopf only warns): each process draws its own,
+        # and the highest acts while the others stand by.
+        priority=random.SystemRandom().randrange(1, 1 << 30),
         clusterwide=args.all_namespaces,
         namespaces=args.namespace or (),
         liveness_endpoint=f"http://{args.health_address}:{args.health_port}/healthz",
@@ -215,6 +225,13 @@ def build_parser() -> argparse.ArgumentParser:
     operator.add_argument("--metrics-address", default="0.0.0.0", help="address of /metrics")
     operator.add_argument("--health-port", type=int, default=8080, help="liveness at /healthz")
     operator.add_argument("--health-address", default="0.0.0.0", help="address of /healthz")
+    operator.add_argument(
+        "--peering",
+        metavar="NAME",
+        help="with several operator replicas: kopf's peering object (a ClusterKopfPeering with "
+        "--all-namespaces, else a KopfPeering in each namespace) through which they elect the "
+        "one that handles events; without it the operator runs standalone",
+    )
     operator.add_argument(
         "--kubeconfig", help="kubeconfig outside a cluster (default: KUBECONFIG or ~/.kube)"
     )

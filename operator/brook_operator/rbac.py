@@ -66,3 +66,14 @@ CLUSTER_RULES: tuple[Rule, ...] = (
 
 def policy_rules(rules: tuple[Rule, ...]) -> list[dict[str, list[str]]]:
     return [rule.as_policy_rule() for rule in rules]
+
+
+#: With more than one operator replica (the chart's ``replicas``), kopf's peering elects the
+#: one that handles events: it reads and patches a peering object, a ClusterKopfPeering in
+#: cluster scope (cluster-scoped rules) or a KopfPeering in each watched namespace.
+PEERING_CLUSTER_RULES: tuple[Rule, ...] = (
+    Rule("kopf.dev", ("clusterkopfpeerings",), ("get", "list", "watch", "patch")),
+)
+PEERING_NAMESPACED_RULES: tuple[Rule, ...] = (
+    Rule("kopf.dev", ("kopfpeerings",), ("get", "list", "watch", "patch")),
+)

@@ -149,3 +149,25 @@ compares them). Change them there first.
   resources: ["namespaces"]
   verbs: ["list", "watch"]
 {{- end }}
+
+{{- /*
+kopf's peering (leader election among operator replicas): on when replicas > 1. Its rules are
+PEERING_CLUSTER_RULES / PEERING_NAMESPACED_RULES of rbac.py.
+*/}}
+{{- define "brook.peering" -}}
+{{- if gt (int .Values.replicas) 1 }}true{{ end -}}
+{{- end }}
+
+{{- define "brook.operator.peeringClusterRules" -}}
+# kopf's peering: the operator replicas elect the one that handles events.
+- apiGroups: ["kopf.dev"]
+  resources: ["clusterkopfpeerings"]
+  verbs: ["get", "list", "watch", "patch"]
+{{- end }}
+
+{{- define "brook.operator.peeringNamespacedRules" -}}
+# kopf's peering: the operator replicas elect the one that handles events.
+- apiGroups: ["kopf.dev"]
+  resources: ["kopfpeerings"]
+  verbs: ["get", "list", "watch", "patch"]
+{{- end }}

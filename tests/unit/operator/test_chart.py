@@ -19,7 +19,14 @@ import yaml
 from brook_engine import __version__
 from brook_operator.api import CRD_NAME
 from brook_operator.cli import build_parser
-from brook_operator.rbac import CLUSTER_RULES, NAMESPACED_RULES, Rule, policy_rules
+from brook_operator.rbac import (
+    CLUSTER_RULES,
+    NAMESPACED_RULES,
+    PEERING_CLUSTER_RULES,
+    PEERING_NAMESPACED_RULES,
+    Rule,
+    policy_rules,
+)
 
 ROOT = Path(__file__).parents[3]
 CHART = ROOT / "charts" / "brook"
@@ -212,6 +219,41 @@ def test_namespace_scope_has_one_role_per_namespace(custom: list[dict[str, Any]]
     assert [arg for arg in args if arg.startswith("--namespace")] == [
         f"--namespace={namespace}" for namespace in WATCHED
     ]
+
+
+@pytest.mark.parametrize("scope", ["cluster", "namespace"])
+def test_several_replicas_elect_a_leader_through_kopf_peering(
+    chart: helm.Chart, scope: str
+) -> None:
+    values: dict[str, Any] = {"replicas": 2, "rbac": {"scope": scope}}
+    if scope == "namespace":
+        values["rbac"]["watchNamespaces"] = WATCHED
+    objects = _objects(_render(chart, values))
+    args = build_parser().parse_args(_container(objects)["args"])
+    assert args.peering == RELEASE
+    definitions = [o["metadata"]["name"] for o in _all(objects, "CustomResourceDefinition")]
+    if scope == "cluster":
+        assert "clusterkopfpeerings.kopf.dev" in definitions
+        (peering,) = _all(objects, "ClusterKopfPeering")
+        assert peering["metadata"]["name"] == RELEASE
+        role = _one(objects, "ClusterRole")
+        assert _normalized(role["rules"]) == _expected(
+            NAMESPACED_RULES + PEERING_CLUSTER_RULES + CLUSTER_RULES
+        )
+    else:
+        assert "kopfpeerings.kopf.dev" in definitions
+        peerings = _all(objects, "KopfPeering")
+        assert sorted(p["metadata"]["namespace"] for p in peerings) == WATCHED
+        for role in _all(objects, "Role"):
+            assert _normalized(role["rules"]) == _expected(
+                NAMESPACED_RULES + PEERING_NAMESPACED_RULES
+            )
+
+
+def test_one_replica_runs_standalone(default: list[dict[str, Any]]) -> None:
+    assert build_parser().parse_args(_container(default)["args"]).peering is None
+    assert not _all(default, "ClusterKopfPeering") and not _all(default, "KopfPeering")
+    assert all("kopf.dev" not in o["metadata"]["name"] for o in default)
 
 
 def test_namespace_scope_defaults_to_the_release_namespace(chart: helm.Chart) -> None:
@@ -464,7 +506,7 @@ def test_schema_is_draft_07_and_accepts_the_defaults(chart: helm.Chart) -> None:
     [
         ({"rbac": {"scope": "bogus"}}, "/rbac/scope"),
         ({"replicas": -1}, "/replicas"),
-        ({"replicas": 2}, "/replicas"),
+        ({"replicas": 6}, "/replicas"),
         ({"bogus": True}, "'bogus'"),
         ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
         ({"image": {"tagg": "dev"}}, "'tagg'"),
