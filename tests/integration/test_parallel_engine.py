@@ -286,3 +286,45 @@ def test_int8_kv_is_fitted_per_rank_and_matches_one_process(
     assert parallel.engine.runner.replica.layer_kinds == ["int8"] * 4
     assert [o.token_ids for o in _run(parallel, prompts)] == expected
     assert parallel.engine.runner.kv_bytes_per_token == single.engine.runner.kv_bytes_per_token
+
+
+@pytest.mark.parametrize(
+    ("arch", "tensor", "pipeline"),
+    [
+        pytest.param("llama", 2, 1, id="llama-tp2"),  # row-parallel o/down: whole-row scales
+        pytest.param("qwen2", 2, 1, id="qwen2-tp2"),  # tied head split over the vocabulary
+        pytest.param("llama", 1, 2, id="llama-pp2"),
+    ],
+)
+def test_w8a16_under_parallelism_matches_one_process(
+    arch: str,
+    tensor: int,
+    pipeline: int,
+    make_tiny_model: Callable[..., Path],
+    engines: list[LLM],
+) -> None:
+    """W8A16 quantizes after sharding with scales per output channel: every rank holds the
+    int8 values and scales one process holds for its slice, so TP=2 and PP=2 generate what
+    one process generates."""
+    from brook_engine.quant.linear import Int8Linear
+
+    folder = make_tiny_model(arch, num_hidden_layers=4)
+    w8a16 = {"weights": "w8a16"}
+    prompts = _prompts(320, [9, 23, 3, 30], seed=5)
+    single = LLM(
+        str(folder),
+        dtype="float32",
+        device="cpu",
+        kv_cache=EXACT_KV,
+        progress=False,
+        quantization=w8a16,
+    )
+    expected = _run(single, prompts, logprobs=True)
+    parallel = _engine(folder, tensor, pipeline, quantization=w8a16)
+    engines.append(parallel)
+    assert any(isinstance(m, Int8Linear) for m in parallel.engine.runner.model.modules())
+    got = _run(parallel, prompts, logprobs=True)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    for mine, theirs in zip(got, expected, strict=True):
+        for a, b in zip(mine.logprobs, theirs.logprobs, strict=True):
+            assert a[0] == pytest.approx(b[0], abs=1e-4)

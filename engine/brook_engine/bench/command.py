@@ -107,12 +107,13 @@ def median_round(reports: list[BenchReport]) -> BenchReport:
 
 
 def _bench_kv(args: argparse.Namespace, options: dict[str, Any]) -> int:
-    from brook_engine.bench import kv_workloads
+    from brook_engine.bench import kv_workloads, quant_workloads
 
     run = {
         "shared-prefix": kv_workloads.shared_prefix,
         "zipf-prefix": kv_workloads.zipf_prefix,
         "long-context": kv_workloads.long_context,
+        "w8a16-quality": quant_workloads.w8a16_quality,
     }[args.workload]
     result = run(args.model, options, args.num_requests, args.seed, not args.json)
     if args.json:

@@ -13,8 +13,11 @@ def unsupported_settings(sections: EngineSections) -> list[str]:
     problems = []
     if sections.offload.policy != "none":
         problems.append("offload.policy: weight offload is not available yet; use none")
-    if sections.quantization.weights != "none":
-        problems.append("quantization.weights: w8a16 is not available yet; use none")
+    if sections.quantization.weights == "w8a16" and sections.shapes.one_row_weights != "model":
+        problems.append(
+            "shapes.oneRowWeights: one-row copies are of float weights; with "
+            "quantization.weights w8a16 the int8 weights serve one row too — use model"
+        )
     if sections.shapes.mode != "eager":
         problems.append("shapes.mode: compile is not available yet; use eager")
     return problems

@@ -86,7 +86,14 @@ class ModelRunner:
         self.layer_start, self.layer_end = self.shard.layer_start, self.shard.layer_end
         started = time.perf_counter()
         self.model, self.weight_bytes = load_model(
-            arch, folder, self.dtype, self.device, self.shard, comm, progress and topo.is_driver
+            arch,
+            folder,
+            self.dtype,
+            self.device,
+            self.shard,
+            comm,
+            progress and topo.is_driver,
+            config.quantization.weights,
         )
         copies = add_one_row_copies(
             self.model, config.shapes.one_row_weights, self.dtype, self.device

@@ -1,8 +1,9 @@
 """Brook's C kernels for CPU, built into one shared library and loaded with ctypes.
 
 The sources in ``csrc/`` (decode attention over the paged cache, the fused element-wise
-steps of a decoder layer, the one-row BF16 product) are compiled together at first use with
-the machine's ``cc`` (``-O3 -march=native -fopenmp``, a few seconds) into a cache directory
+steps of a decoder layer, the one-row BF16 product, the int8-weight product of W8A16) are
+compiled together at first use with the machine's ``cc`` (``-O3 -march=native -fopenmp``, a
+few seconds) into a cache directory
 keyed by the sources, the compiler and the CPU. The OpenMP runtime the library links against
 is the one torch has already loaded, so the two never keep rival thread pools. Where no
 compiler is installed (the engine image), a copy built for a baseline CPU when the package
@@ -32,6 +33,7 @@ _SOURCES: tuple[Path, ...] = (
     _CSRC / "paged_decode.c",
     _CSRC / "fused_ops.c",
     _CSRC / "one_row_bf16.c",
+    _CSRC / "int8_matmul.c",
 )
 # What is tried when everything does not build: a compiler without AVX512-BF16 intrinsics
 # (gcc < 9) still gets decode attention and the fused steps.
@@ -157,6 +159,11 @@ def _declare(opened: ctypes.CDLL) -> None:
         "brook_one_row_bf16_supported": (i32, []),
         # x, weight, bias, out, out_features, in_features, threads
         "brook_one_row_bf16": (None, [p, p, p, p, i64, i64, i32]),
+        # q, packed, out_features, in_features
+        "brook_int8_pack": (None, [p, p, i64, i64]),
+        "brook_int8_isa": (i32, [i32]),
+        # x, packed, scale, bias, out, rows, out_features, in_features, kind, isa, threads
+        "brook_int8_matmul": (None, [p] * 5 + [i64] * 3 + [i32, i32, i32]),
     }
     for name, (restype, argtypes) in signatures.items():
         if not hasattr(opened, name):  # an optional kernel that did not build

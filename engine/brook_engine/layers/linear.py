@@ -125,6 +125,8 @@ def pack_cpu_weights(model: nn.Module) -> int:
         weight = getattr(module, "weight", None)
         if not hasattr(module, "packed") or not isinstance(weight, nn.Parameter):
             continue
+        if getattr(module, "quantized", None) is not None:
+            continue  # a W8A16 head multiplies by its int8 copy
         if weight.is_mkldnn or weight.device.type != "cpu" or weight.dim() != 2:
             continue
         if not cpu_packing_supported(weight.dtype):

@@ -93,9 +93,19 @@ class VocabParallelHead(_VocabSlice):
     one_row: torch.Tensor | None = None  # FP16 copy for one-row products (layers.linear)
     packed: torch.Tensor | None = None  # packed copy of a tied table (layers.linear)
 
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        # W8A16: an int8 copy of the head (quant.linear). Set here, not on the class: a
+        # class attribute would shadow the submodule nn.Module registers on assignment.
+        self.quantized: nn.Module | None = None
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.weight if self.packed is None else self.packed
-        logits = one_row_linear(hidden, weight, None, self.one_row)
+        logits: torch.Tensor
+        if self.quantized is not None:
+            logits = self.quantized(hidden)
+        else:
+            weight = self.weight if self.packed is None else self.packed
+            logits = one_row_linear(hidden, weight, None, self.one_row)
         if self.comm is None:
             return logits
         return self.comm.all_gather_last_dim(logits)[:, : self.vocab_size]

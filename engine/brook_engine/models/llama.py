@@ -29,6 +29,7 @@ from brook_engine.layers.tensor_parallel import (
     VocabParallelHead,
 )
 from brook_engine.models.arch import ModelArch
+from brook_engine.quant.linear import Int8Linear, QuantizedHead
 
 #: cos and sin of the step's positions, [tokens, 1, head_dim] each
 Rotary = tuple[torch.Tensor, torch.Tensor]
@@ -40,9 +41,23 @@ class Reduction(Protocol):
     def wait(self) -> torch.Tensor: ...
 
 
+def make_linear(
+    in_features: int, out_features: int, bias: bool, dtype: torch.dtype, int8: bool
+) -> nn.Module:
+    """A projection: float (``Linear``) or W8A16 (``Int8Linear``)."""
+    if int8:
+        return Int8Linear(in_features, out_features, bias, dtype)
+    return Linear(in_features, out_features, bias=bias, dtype=dtype)
+
+
 class Attention(nn.Module):
     def __init__(
-        self, arch: ModelArch, dtype: torch.dtype, shard: Shard, comm: TensorComm | None
+        self,
+        arch: ModelArch,
+        dtype: torch.dtype,
+        shard: Shard,
+        comm: TensorComm | None,
+        int8: bool = False,
     ) -> None:
         super().__init__()
         self.num_heads = arch.num_heads // shard.tp_size
@@ -51,10 +66,10 @@ class Attention(nn.Module):
         self.head_dim = arch.head_dim
         self.q_size = self.num_heads * arch.head_dim
         self.kv_size = self.num_kv_heads * arch.head_dim
-        self.qkv_proj = Linear(
-            arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias, dtype=dtype
+        self.qkv_proj = make_linear(
+            arch.hidden_size, self.q_size + 2 * self.kv_size, arch.qkv_bias, dtype, int8
         )
-        self.o_proj = Linear(self.q_size, arch.hidden_size, bias=arch.o_bias, dtype=dtype)
+        self.o_proj = make_linear(self.q_size, arch.hidden_size, arch.o_bias, dtype, int8)
         self.scale = arch.head_dim**-0.5
         self.comm = comm if shard.tp_size > 1 else None
 
@@ -86,15 +101,20 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     def __init__(
-        self, arch: ModelArch, dtype: torch.dtype, shard: Shard, comm: TensorComm | None
+        self,
+        arch: ModelArch,
+        dtype: torch.dtype,
+        shard: Shard,
+        comm: TensorComm | None,
+        int8: bool = False,
     ) -> None:
         super().__init__()
         self.intermediate = arch.intermediate_size // shard.tp_size
-        self.gate_up_proj = Linear(
-            arch.hidden_size, 2 * self.intermediate, bias=arch.mlp_bias, dtype=dtype
+        self.gate_up_proj = make_linear(
+            arch.hidden_size, 2 * self.intermediate, arch.mlp_bias, dtype, int8
         )
-        self.down_proj = Linear(
-            self.intermediate, arch.hidden_size, bias=arch.mlp_bias, dtype=dtype
+        self.down_proj = make_linear(
+            self.intermediate, arch.hidden_size, arch.mlp_bias, dtype, int8
         )
         self.comm = comm if shard.tp_size > 1 else None
 
@@ -105,13 +125,18 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, arch: ModelArch, dtype: torch.dtype, shard: Shard, comm: TensorComm | None
+        self,
+        arch: ModelArch,
+        dtype: torch.dtype,
+        shard: Shard,
+        comm: TensorComm | None,
+        int8: bool = False,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.self_attn = Attention(arch, dtype, shard, comm)
+        self.self_attn = Attention(arch, dtype, shard, comm, int8)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.mlp = MLP(arch, dtype, shard, comm)
+        self.mlp = MLP(arch, dtype, shard, comm, int8)
 
     def forward(
         self,
@@ -149,7 +174,12 @@ class Decoder(nn.Module):
     """Embedding (first stage), this stage's decoder layers, the final norm (last stage)."""
 
     def __init__(
-        self, arch: ModelArch, dtype: torch.dtype, shard: Shard, comm: TensorComm | None
+        self,
+        arch: ModelArch,
+        dtype: torch.dtype,
+        shard: Shard,
+        comm: TensorComm | None,
+        int8: bool = False,
     ) -> None:
         super().__init__()
         self.embed_tokens = (
@@ -159,7 +189,7 @@ class Decoder(nn.Module):
         )
         end = arch.num_layers if shard.layer_end is None else shard.layer_end
         self.layers = nn.ModuleList(
-            DecoderLayer(arch, dtype, shard, comm) for _ in range(shard.layer_start, end)
+            DecoderLayer(arch, dtype, shard, comm, int8) for _ in range(shard.layer_start, end)
         )
         self.norm = (
             RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype) if shard.last_stage else None
@@ -173,11 +203,14 @@ class CausalLM(nn.Module):
         dtype: torch.dtype,
         shard: Shard | None = None,
         comm: TensorComm | None = None,
+        int8: bool = False,
     ) -> None:
+        """``int8``: W8A16 projections (``quant.linear``); the embedding, norms and the LM
+        head's table stay in ``dtype``."""
         super().__init__()
         self.arch = arch
         self.shard = shard = shard or Shard()
-        self.model = Decoder(arch, dtype, shard, comm)
+        self.model = Decoder(arch, dtype, shard, comm, int8)
         self.lm_head = (
             VocabParallelHead(arch.vocab_size, arch.hidden_size, shard, comm, dtype)
             if shard.last_stage
@@ -249,5 +282,8 @@ class CausalLM(nn.Module):
         assert self.lm_head is not None, "only the last pipeline stage has the LM head"
         if in_float32:
             assert self.lm_head.comm is None, "a float32 head needs the whole vocabulary here"
+            quantized = self.lm_head.quantized
+            if isinstance(quantized, QuantizedHead):
+                return F.linear(hidden.float(), quantized.dequantized().float())
             return F.linear(hidden.float(), dense(self.lm_head.weight).float())
         return self.lm_head(hidden).float()  # type: ignore[no-any-return]

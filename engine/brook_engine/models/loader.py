@@ -25,6 +25,9 @@ from brook_engine.layers.linear import keep_one_row_copies, pack_cpu_weights
 from brook_engine.layers.tensor_parallel import Shard, TensorComm
 from brook_engine.models.arch import ModelArch
 from brook_engine.models.llama import CausalLM
+from brook_engine.quant import checkpoint as quant_checkpoint
+from brook_engine.quant.linear import Int8Linear, QuantizedHead
+from brook_engine.quant.quantize import quantize
 
 log = logging.getLogger(__name__)
 
@@ -59,18 +62,36 @@ def load_model(
     shard: Shard,
     comm: TensorComm | None,
     progress: bool,
+    weights: str = "none",
 ) -> tuple[CausalLM, int]:
     """This rank's part of the model, built without memory first, then filled from the
-    checkpoint; and the bytes its weights take (on CPU with the oneDNN-packed copies)."""
+    checkpoint; and the bytes its weights take (on CPU with the oneDNN-packed copies).
+
+    ``weights`` is ``quantization.weights``: ``w8a16`` quantizes a float checkpoint's
+    projections as they are read (one tensor in float at a time) or reads a W8A16
+    compressed-tensors checkpoint as it is, and gives the LM head an int8 copy."""
+    stored = quant_checkpoint.read_quantization(folder)
+    if stored is not None and weights != stored.scheme:
+        raise ConfigError(
+            f"quantization.weights is {weights!r}, but {folder} holds a {stored.scheme} "
+            f"checkpoint ({quant_checkpoint.QUANT_METHOD}, {stored.format}); set "
+            f"quantization.weights: {stored.scheme}, or serve the float model"
+        )
+    int8 = weights == "w8a16"
     with torch.device("meta"):
-        model = CausalLM(arch, dtype, shard, comm)
+        model = CausalLM(arch, dtype, shard, comm, int8)
     model.to_empty(device=device)
     model.tie_embeddings()
     load_weights(model, folder, progress=progress)
     model.eval()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if int8 and model.lm_head is not None:
+        head = QuantizedHead(model.lm_head.weight)
+        model.lm_head.quantized = head
+        weight_bytes += head.nbytes()
     if device.type == "cpu":
         weight_bytes += pack_cpu_weights(model)
+        weight_bytes += sum(m.pack_for_cpu() for m in model.modules() if isinstance(m, Int8Linear))
     return model, weight_bytes
 
 
@@ -190,14 +211,27 @@ def load_weights(model: CausalLM, folder: Path, progress: bool = True) -> None:
                         name == "lm_head.weight" and model.arch.tie_word_embeddings
                     ):
                         continue
+                    canonical, part = _canonical(name)
+                    if part == "float" and f.get_slice(name).get_dtype() == "I8":
+                        part = "int8"  # the int-quantized format's weight
+                    if part in ("shape", "zero_point"):
+                        _check_aside(f, path, name, part)
+                        continue
                     shape = tuple(f.get_slice(name).get_shape())
-                    targets = placements(model, name, shape[0])
+                    targets = placements(model, canonical, shape[0])
                     if targets is None:
                         raise ConfigError(
                             f"{path.name}: unexpected tensor {name!r} for {model.arch.architecture}"
                         )
                     for place in targets:
-                        _place(model, f, path, name, shape, place, filled)
+                        if part == "float":
+                            param = model.get_parameter(place.param) if place.param else None
+                            if param is not None and param.dtype == torch.int8:
+                                _place_quantized(model, f, path, name, shape, place, filled)
+                                continue
+                            _place(model, f, path, name, shape, place, filled)
+                        else:
+                            _place_stored_int8(model, f, path, name, part, shape, place, filled)
             bar.update(1)
     _zero_vocab_padding(model, filled)
     missing = sorted(n for n in expected if filled.get(n, 0) != model.get_parameter(n).shape[0])
@@ -206,6 +240,137 @@ def load_weights(model: CausalLM, folder: Path, progress: bool = True) -> None:
             f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         )
         raise ConfigError(f"{folder}: checkpoint lacks {shown}")
+
+
+_PARTS = {
+    "weight_packed": "packed",
+    "weight_scale": "scale",
+    "weight_shape": "shape",
+    "weight_zero_point": "zero_point",
+}
+
+
+def _canonical(name: str) -> tuple[str, str]:
+    """A compressed-tensors name as the float weight it stands for, and which part of it:
+    ``x.weight_packed`` → (``x.weight``, ``packed``); a plain tensor → (name, ``float``),
+    or ``int8`` for an int8 ``weight`` (the int-quantized format)."""
+    base, _, suffix = name.rpartition(".")
+    if suffix in _PARTS:
+        return f"{base}.weight", _PARTS[suffix]
+    return name, "float"
+
+
+def _check_aside(f: Any, path: Path, name: str, part: str) -> None:
+    """``weight_shape`` is read with its ``weight_packed``; a zero point must be zero
+    (Brook's W8A16 is symmetric)."""
+    if part == "zero_point" and bool(f.get_tensor(name).any()):
+        raise ConfigError(
+            f"{path.name}: {name!r} is not zero; Brook's W8A16 is symmetric (no zero points)"
+        )
+
+
+def _int8_target(model: CausalLM, path: Path, name: str, place: Placement) -> torch.Tensor:
+    param = model.get_parameter(place.param).data
+    if param.dtype != torch.int8:
+        raise ConfigError(
+            f"{path.name}: {name!r} is quantized, but Brook keeps {place.param} in the model "
+            "dtype; list that layer in quantization_config.ignore and store it in float"
+        )
+    return param
+
+
+def _rows(f: Any, name: str, place: Placement) -> torch.Tensor:
+    """The checkpoint rows this placement needs, every column (a row-parallel layer reads
+    all of its rows: a scale covers a whole output channel)."""
+    piece = f.get_slice(name)
+    return piece[place.src_start : place.src_start + place.length] if place.dim == 0 else piece[:]  # type: ignore[no-any-return]
+
+
+def _fill_int8(
+    model: CausalLM,
+    place: Placement,
+    q: torch.Tensor,
+    scale: torch.Tensor | None,
+    filled: dict[str, int],
+) -> None:
+    """Copy int8 rows (and, from a float source, their scales) into an ``Int8Linear``."""
+    param = model.get_parameter(place.param).data
+    if place.dim == 1:
+        q = q[:, place.src_start : place.src_start + param.shape[1]]
+    param[place.dst_start : place.dst_start + q.shape[0]].copy_(q)
+    filled[place.param] = filled.get(place.param, 0) + q.shape[0]
+    if scale is not None:
+        _fill_scale(model, place, scale, filled)
+
+
+def _fill_scale(
+    model: CausalLM, place: Placement, scale: torch.Tensor, filled: dict[str, int]
+) -> None:
+    target = model.get_parameter(f"{place.param}_scale").data
+    target[place.dst_start : place.dst_start + scale.shape[0]].copy_(scale)
+    filled[f"{place.param}_scale"] = filled.get(f"{place.param}_scale", 0) + scale.shape[0]
+
+
+def _place_quantized(
+    model: CausalLM,
+    f: Any,
+    path: Path,
+    name: str,
+    shape: tuple[int, ...],
+    place: Placement,
+    filled: dict[str, int],
+) -> None:
+    """A float checkpoint tensor into an ``Int8Linear``: quantized here, rows at a time.
+    Scales are per output channel, so a column-parallel rank's rows quantize alone and a
+    row-parallel rank quantizes whole rows before it keeps its columns: every tensor-
+    parallel layout holds the same int8 values."""
+    param = _int8_target(model, path, name, place)
+    width = param.shape[1] * (model.shard.tp_size if place.dim == 1 else 1)
+    if len(shape) != 2 or shape[1] != width or shape[0] != (place.source_rows or place.length):
+        raise ConfigError(
+            f"{path.name}: tensor {name!r} has shape {shape}, which does not fit parameter "
+            f"{place.param}; the checkpoint does not match config.json"
+        )
+    scale_dtype = model.get_parameter(f"{place.param}_scale").dtype
+    quantized = quantize(_rows(f, name, place), scale_dtype=scale_dtype)
+    _fill_int8(model, place, quantized.q, quantized.scale, filled)
+
+
+def _place_stored_int8(
+    model: CausalLM,
+    f: Any,
+    path: Path,
+    name: str,
+    part: str,
+    shape: tuple[int, ...],
+    place: Placement,
+    filled: dict[str, int],
+) -> None:
+    """A compressed-tensors tensor (``weight_packed``, an int8 ``weight`` or
+    ``weight_scale``) into an ``Int8Linear``, as stored."""
+    param = _int8_target(model, path, name, place)
+    if part == "scale":
+        scale = _rows(f, name, place).reshape(shape[0], -1)
+        if scale.shape[1] != 1:
+            raise ConfigError(
+                f"{path.name}: {name!r} has {scale.shape[1]} scales per output channel; "
+                "Brook's W8A16 has one (strategy channel)"
+            )
+        _fill_scale(model, place, scale[:, 0], filled)
+        return
+    columns = param.shape[1] * (model.shard.tp_size if place.dim == 1 else 1)
+    words = -(-columns // 4) if part == "packed" else columns
+    if len(shape) != 2 or shape[0] != (place.source_rows or place.length) or shape[1] != words:
+        raise ConfigError(
+            f"{path.name}: tensor {name!r} has shape {shape}, which does not fit parameter "
+            f"{place.param} ({columns} input channels); the checkpoint does not match "
+            "config.json"
+        )
+    if part == "packed":
+        q = quant_checkpoint.unpack_int8(_rows(f, name, place), columns)
+    else:
+        q = _rows(f, name, place)
+    _fill_int8(model, place, q, None, filled)
 
 
 def _place(

@@ -53,9 +53,10 @@ CEL_RULES: dict[type[BaseModel], list[Rule]] = {
             ".offload.policy",
         ),
         Rule(
-            "self.quantization.weights == 'none'",
-            "quantization.weights: w8a16 is not available yet; use none",
-            ".quantization.weights",
+            "self.quantization.weights == 'none' || self.shapes.oneRowWeights == 'model'",
+            "shapes.oneRowWeights: one-row copies are of float weights; with "
+            "quantization.weights w8a16 the int8 weights serve one row too — use model",
+            ".shapes.oneRowWeights",
         ),
         Rule(
             "self.shapes.mode == 'eager'",

@@ -215,7 +215,10 @@ def test_kv_storage_round_trip(kind: Any, tolerance: float) -> None:
     ("options", "text"),
     [
         ({"offload": {"policy": "static", "device_memory_limit_gb": 1}}, "offload.policy"),
-        ({"quantization": {"weights": "w8a16"}}, "quantization.weights"),
+        (
+            {"quantization": {"weights": "w8a16"}, "shapes": {"one_row_weights": "bf16"}},
+            "shapes.oneRowWeights",
+        ),
         ({"shapes": {"mode": "compile"}}, "shapes.mode"),
     ],
 )

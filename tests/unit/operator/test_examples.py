@@ -48,6 +48,7 @@ def test_the_examples_cover_the_documented_deployments() -> None:
     assert names == {
         "tiny-cpu",
         "smollm2-cpu",
+        "smollm2-w8a16-cpu",
         "llama-70b-npu-tp8",
         "qwen-110b-npu-tp4-pp2",
         "qwen-7b-autoscaled",

@@ -35,7 +35,11 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
     ),
     ("quantization-enum", {"spec.quantization.weights": "int4"}, "spec.quantization.weights"),
     # Settings the engine cannot honour yet are refused at apply time, not in a crash loop.
-    ("w8a16-not-built", {"spec.quantization.weights": "w8a16"}, "spec.quantization.weights"),
+    (
+        "w8a16-with-one-row-copies",
+        {"spec.quantization.weights": "w8a16", "spec.shapes.oneRowWeights": "bf16"},
+        "spec.shapes.oneRowWeights",
+    ),
     ("offload-not-built", {"spec.offload.policy": "static"}, "spec.offload.policy"),
     ("compile-not-built", {"spec.shapes.mode": "compile"}, "spec.shapes.mode"),
     ("offload-policy-enum", {"spec.offload.policy": "sometimes"}, "spec.offload.policy"),

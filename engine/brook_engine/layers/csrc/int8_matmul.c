@@ -1,0 +1,229 @@
+/* Float rows times an int8 weight matrix with one scale per output channel (W8A16):
+ * out[m, n] = scale[n] * sum_k x[m, k] * q[n, k] (+ bias[n]), summed in float32.
+ *
+ * The weight is packed once at load time (brook_int8_pack) into tiles of 16 output channels:
+ * tile t holds q[16t .. 16t+15, k] for every k, 16 bytes per k, so one load brings 16
+ * channels' weights for one input position and each is multiplied by a broadcast activation.
+ * A tile's int8 values are widened to float32 once and used for up to ROWS rows of x, so a
+ * batch pays the widening once per weight, and a single row streams the weight at the
+ * memory's rate (int8: half the bytes of BF16). There is no horizontal sum; the scale is
+ * applied once per output.
+ *
+ * Three paths, chosen at run time by what the CPU has (brook_int8_isa): AVX-512, AVX2 + FMA
+ * (the AVX2 machines this engine also serves) and portable C. They sum in the same order
+ * (k ascending, per output), so they agree to float rounding of fused multiply-adds.
+ * Built by brook_engine/layers/cpu_kernels.py, called from brook_engine/quant/cpu_int8.py.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernel_math.h"
+
+#define TILE 16 /* output channels per packed tile */
+#define ROWS 6  /* rows of x per pass over a tile pair */
+
+/* Pack q [out, in] (row-major int8) into ceil(out / 16) tiles of [in][16]; the channels past
+ * `out` in the last tile are zero. */
+void brook_int8_pack(const int8_t *q, int8_t *packed, int64_t out, int64_t in) {
+  const int64_t tiles = (out + TILE - 1) / TILE;
+  memset(packed, 0, (size_t)(tiles * in * TILE));
+  for (int64_t n = 0; n < out; n++) {
+    int8_t *dst = packed + (n / TILE) * in * TILE + n % TILE;
+    const int8_t *src = q + n * in;
+    for (int64_t k = 0; k < in; k++) dst[k * TILE] = src[k];
+  }
+}
+
+/* The portable path: acc[m][c] for `rows` rows and the TILE channels of one tile. */
+static void tile_c(const float *x, int64_t in, int rows, const int8_t *w, float *acc) {
+  for (int m = 0; m < rows; m++) {
+    float sum[TILE] = {0};
+    const float *xr = x + m * in;
+    for (int64_t k = 0; k < in; k++) {
+      const float xv = xr[k];
+      const int8_t *wk = w + k * TILE;
+      for (int c = 0; c < TILE; c++) sum[c] += xv * (float)wk[c];
+    }
+    memcpy(acc + m * 2 * TILE, sum, sizeof(sum));
+  }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+#define TARGET512 __attribute__((target("avx512f,avx512bw,avx512vl"), noinline))
+#define TARGET2 __attribute__((target("avx2,fma"), noinline))
+
+/* AVX-512: two tiles (32 channels) by up to ROWS rows; acc is [ROWS][32]. */
+TARGET512 static void pair_512(const float *x, int64_t in, int rows, const int8_t *w0,
+                               const int8_t *w1, float *acc) {
+  __m512 a0[ROWS], a1[ROWS];
+  for (int m = 0; m < ROWS; m++) a0[m] = a1[m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < in; k++) {
+    const __m512 v0 = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w0 + k * TILE))));
+    const __m512 v1 = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w1 + k * TILE))));
+#pragma GCC unroll 6
+    for (int m = 0; m < ROWS; m++) {
+      if (m < rows) {
+        const __m512 xv = _mm512_set1_ps(x[m * in + k]);
+        a0[m] = _mm512_fmadd_ps(xv, v0, a0[m]);
+        a1[m] = _mm512_fmadd_ps(xv, v1, a1[m]);
+      }
+    }
+  }
+  for (int m = 0; m < rows; m++) {
+    _mm512_storeu_ps(acc + m * 2 * TILE, a0[m]);
+    _mm512_storeu_ps(acc + m * 2 * TILE + TILE, a1[m]);
+  }
+}
+
+/* AVX-512, one row: four tiles at once, so four independent sums hide the multiply-add's
+ * latency and four streams keep the prefetchers busy; acc is [64]. */
+TARGET512 static void quad_512(const float *x, int64_t in, const int8_t *w, int tiles,
+                               float *acc) {
+  __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                 _mm512_setzero_ps()};
+  const int64_t stride = in * TILE;
+  for (int64_t k = 0; k < in; k++) {
+    const __m512 xv = _mm512_set1_ps(x[k]);
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; t++) {
+      if (t < tiles) {
+        const int8_t *p = w + t * stride + k * TILE;
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+        a[t] = _mm512_fmadd_ps(xv, v, a[t]);
+      }
+    }
+  }
+  for (int t = 0; t < tiles; t++) _mm512_storeu_ps(acc + t * TILE, a[t]);
+}
+
+/* AVX2 + FMA: one tile (two halves of 8 channels) by up to 4 rows; acc is [ROWS][32]. */
+TARGET2 static void tile_avx2(const float *x, int64_t in, int rows, const int8_t *w,
+                              float *acc) {
+  for (int first = 0; first < rows; first += 4) {
+    const int count = rows - first < 4 ? rows - first : 4;
+    __m256 lo[4], hi[4];
+    for (int m = 0; m < 4; m++) lo[m] = hi[m] = _mm256_setzero_ps();
+    const float *xs = x + first * in;
+    for (int64_t k = 0; k < in; k++) {
+      const __m128i bytes = _mm_loadu_si128((const __m128i *)(w + k * TILE));
+      const __m256 vl = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+      const __m256 vh = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)));
+#pragma GCC unroll 4
+      for (int m = 0; m < 4; m++) {
+        if (m < count) {
+          const __m256 xv = _mm256_broadcast_ss(xs + m * in + k);
+          lo[m] = _mm256_fmadd_ps(xv, vl, lo[m]);
+          hi[m] = _mm256_fmadd_ps(xv, vh, hi[m]);
+        }
+      }
+    }
+    for (int m = 0; m < count; m++) {
+      _mm256_storeu_ps(acc + (first + m) * 2 * TILE, lo[m]);
+      _mm256_storeu_ps(acc + (first + m) * 2 * TILE + 8, hi[m]);
+    }
+  }
+}
+#endif
+
+enum { ISA_C = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+
+/* The best path this CPU runs, capped at `limit` (tests force each path on one machine). */
+int brook_int8_isa(int limit) {
+  int isa = ISA_C;
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) isa = ISA_AVX2;
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl"))
+    isa = ISA_AVX512;
+#endif
+  return isa < limit ? isa : limit;
+}
+
+enum { KIND_F32 = 0, KIND_BF16 = 1 }; /* float16 callers widen in PyTorch */
+
+static void store_kind(void *p, int64_t i, float v, int kind) {
+  if (kind == KIND_F32)
+    ((float *)p)[i] = v;
+  else
+    ((uint16_t *)p)[i] = float_to_bf16(v);
+}
+
+/* out = (x @ q.T) * scale + bias for x [rows, in] and out [rows, out_features] of `kind`
+ * (float32 or bfloat16),
+ * packed q (brook_int8_pack), float32 scale [out_features] and bias (or NULL). */
+void brook_int8_matmul(const void *x, const int8_t *packed, const float *scale,
+                       const float *bias, void *out, int64_t rows, int64_t out_features,
+                       int64_t in, int kind, int isa, int threads) {
+  const float *xf = (const float *)x;
+  float *widened = NULL;
+  if (kind != KIND_F32) { /* activations widened once per call, not once per tile */
+    widened = (float *)malloc((size_t)(rows * in) * sizeof(float));
+    if (widened == NULL) return;
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * in > 65536)
+    for (int64_t i = 0; i < rows * in; i++) widened[i] = bf16_to_float(((const uint16_t *)x)[i]);
+    xf = widened;
+  }
+  const int64_t tiles = (out_features + TILE - 1) / TILE;
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (rows == 1 && isa == ISA_AVX512) {
+    const int64_t quads = (tiles + 3) / 4;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < quads; g++) {
+      float acc[4 * TILE];
+      const int count = (int)(tiles - 4 * g < 4 ? tiles - 4 * g : 4);
+      quad_512(xf, in, packed + 4 * g * in * TILE, count, acc);
+      const int64_t n0 = 4 * g * TILE;
+      const int64_t n1 = n0 + count * TILE < out_features ? n0 + count * TILE : out_features;
+      for (int64_t n = n0; n < n1; n++) {
+        float v = acc[n - n0] * scale[n];
+        if (bias != NULL) v += bias[n];
+        store_kind(out, n, v, kind);
+      }
+    }
+    free(widened);
+    return;
+  }
+#endif
+  const int64_t pairs = (tiles + 1) / 2;
+  const int64_t blocks = (rows + ROWS - 1) / ROWS;
+#pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
+  for (int64_t b = 0; b < blocks; b++) {
+    for (int64_t p = 0; p < pairs; p++) {
+      float acc[ROWS * 2 * TILE];
+      const int64_t first = b * ROWS;
+      const int count = (int)(rows - first < ROWS ? rows - first : ROWS);
+      const int64_t t0 = 2 * p;
+      const int both = t0 + 1 < tiles;
+      const int8_t *w0 = packed + t0 * in * TILE;
+      const int8_t *w1 = both ? w0 + in * TILE : w0; /* a lone last tile is read twice */
+      const float *xb = xf + first * in;
+#if defined(__x86_64__) && defined(__GNUC__)
+      if (isa == ISA_AVX512) {
+        pair_512(xb, in, count, w0, w1, acc);
+      } else if (isa == ISA_AVX2) {
+        tile_avx2(xb, in, count, w0, acc);
+        if (both) tile_avx2(xb, in, count, w1, acc + TILE);
+      } else
+#endif
+      {
+        tile_c(xb, in, count, w0, acc);
+        if (both) tile_c(xb, in, count, w1, acc + TILE);
+      }
+      const int64_t n_end = (t0 + 2) * TILE < out_features ? (t0 + 2) * TILE : out_features;
+      for (int m = 0; m < count; m++) {
+        for (int64_t n = t0 * TILE; n < n_end; n++) {
+          float v = acc[m * 2 * TILE + (n - t0 * TILE)] * scale[n];
+          if (bias != NULL) v += bias[n];
+          store_kind(out, (first + m) * out_features + n, v, kind);
+        }
+      }
+    }
+  }
+  free(widened);
+}
