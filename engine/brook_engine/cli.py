@@ -50,6 +50,13 @@ def _add_engine_flags(parser: argparse.ArgumentParser, model_required: bool = Tr
     parser.add_argument(
         "--quantization", choices=["none", "w8a16"], default=None, help=_QUANTIZATION_HELP
     )
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        default=None,
+        help="quantization.groupSize: with w8a16, a scale per output channel and group of "
+        "this many input channels (e.g. 32) instead of one per channel",
+    )
 
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -70,8 +77,11 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         options["kv_cache"] = kv
     if getattr(args, "one_row_weights", None):
         options["shapes"] = {"one_row_weights": args.one_row_weights}
-    if getattr(args, "quantization", None):
-        options["quantization"] = {"weights": args.quantization}
+    if getattr(args, "quantization", None) or getattr(args, "group_size", None):
+        options["quantization"] = {
+            "weights": args.quantization or "none",
+            "group_size": args.group_size,
+        }
     return options
 
 
@@ -232,6 +242,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a W8A16 compressed-tensors folder (int8 projections, a scale per output "
         "channel) that Brook, vLLM and transformers load",
     )
+    convert.add_argument(
+        "--group-size",
+        type=int,
+        default=None,
+        help="with --quantize: a scale per output channel and group of this many input "
+        "channels (a multiple of 32)",
+    )
     convert.set_defaults(func=_cmd_convert)
     return parser
 
@@ -270,7 +287,7 @@ def _quantize(args: argparse.Namespace) -> int:
         if given.is_file():  # a GGUF file: to a float folder first
             folder = Path(scratch) / "float"
             convert_gguf(given, folder, dtype=args.dtype)
-        count = quantize_folder(folder, Path(args.output))
+        count = quantize_folder(folder, Path(args.output), args.group_size)
     print(f"wrote {args.output}: {count} projections in W8A16 (compressed-tensors)")
     return 0
 

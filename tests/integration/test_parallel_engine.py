@@ -289,17 +289,21 @@ def test_int8_kv_is_fitted_per_rank_and_matches_one_process(
 
 
 @pytest.mark.parametrize(
-    ("arch", "tensor", "pipeline"),
+    ("arch", "tensor", "pipeline", "group_size"),
     [
-        pytest.param("llama", 2, 1, id="llama-tp2"),  # row-parallel o/down: whole-row scales
-        pytest.param("qwen2", 2, 1, id="qwen2-tp2"),  # tied head split over the vocabulary
-        pytest.param("llama", 1, 2, id="llama-pp2"),
+        # row-parallel o/down: whole-row scales
+        pytest.param("llama", 2, 1, None, id="llama-tp2"),
+        # groups of a row-parallel layer split between the ranks
+        pytest.param("llama", 2, 1, 32, id="llama-tp2-group32"),
+        pytest.param("qwen2", 2, 1, None, id="qwen2-tp2"),  # tied head split by vocabulary
+        pytest.param("llama", 1, 2, 32, id="llama-pp2-group32"),
     ],
 )
 def test_w8a16_under_parallelism_matches_one_process(
     arch: str,
     tensor: int,
     pipeline: int,
+    group_size: int | None,
     make_tiny_model: Callable[..., Path],
     engines: list[LLM],
 ) -> None:
@@ -308,8 +312,9 @@ def test_w8a16_under_parallelism_matches_one_process(
     one process generates."""
     from brook_engine.quant.linear import Int8Linear
 
-    folder = make_tiny_model(arch, num_hidden_layers=4)
-    w8a16 = {"weights": "w8a16"}
+    # MLP width 128: 64 per tensor rank, two groups of 32 each
+    folder = make_tiny_model(arch, num_hidden_layers=4, intermediate_size=128)
+    w8a16 = {"weights": "w8a16", "group_size": group_size}
     prompts = _prompts(320, [9, 23, 3, 30], seed=5)
     single = LLM(
         str(folder),

@@ -19,9 +19,7 @@ def _projection_bytes(engine: Any) -> int:
     total = 0
     for module in engine.runner.model.modules():
         if isinstance(module, Int8Linear):
-            held = module.packed if module.packed is not None else module.weight
-            scale = module.weight_scale
-            total += held.numel() + scale.numel() * scale.element_size()
+            total += module.held_bytes()
         elif isinstance(module, Linear):
             total += module.weight.numel() * module.weight.element_size()
     return total
@@ -34,13 +32,14 @@ def w8a16_quality(
     import torch.nn.functional as F
 
     del num_requests, seed  # the held-out text is fixed
+    quantization = {**options.get("quantization", {}), "weights": "w8a16"}
     options = {k: v for k, v in options.items() if k != "quantization"}
     exact_kv = {
         "layer_policies": [{"start": 0.0, "end": 1.0, "dtype": "auto"}],
         "dynamic_precision": {"enabled": False},
     }
     full = _engine(model, options, exact_kv, progress)
-    w8a16 = _engine(model, {**options, "quantization": {"weights": "w8a16"}}, exact_kv, progress)
+    w8a16 = _engine(model, {**options, "quantization": quantization}, exact_kv, progress)
     text_ids = full.tokenizer.encode(_held_out_text(), add_special_tokens=False)
     chunk_len, num_chunks = 512, 8
     agree = total = 0
@@ -59,6 +58,7 @@ def w8a16_quality(
     projections = {name: _projection_bytes(e) for name, e in (("full", full), ("w8a16", w8a16))}
     summary: dict[str, Any] = {
         "dtype": str(full.runner.dtype).removeprefix("torch."),
+        "group_size": quantization.get("group_size"),
         "projection_bytes_full": projections["full"],
         "projection_bytes_w8a16": projections["w8a16"],
         "projection_bytes_ratio": projections["w8a16"] / projections["full"],

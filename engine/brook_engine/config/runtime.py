@@ -17,6 +17,12 @@ class QuantizationConfig(Section):
     """none: weights in the model dtype. w8a16: int8 weights with per-channel scales,
     activations in the model dtype."""
 
+    group_size: int | None = Field(default=None, ge=32, le=4096, multiple_of=32)
+    """w8a16: a scale per output channel and group of this many input channels (a multiple
+    of 32 dividing every projection's input width, e.g. 32 or 64) instead of one per
+    channel: better quality for 1/group_size more bytes. Unset: one scale per channel. A
+    quantized checkpoint's own grouping is used; a different one here is an error."""
+
 
 class ShapePattern(Section):
     """A request shape the engine compiles for ahead of traffic."""

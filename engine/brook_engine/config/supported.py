@@ -13,6 +13,12 @@ def unsupported_settings(sections: EngineSections) -> list[str]:
     problems = []
     if sections.offload.policy != "none":
         problems.append("offload.policy: weight offload is not available yet; use none")
+    quantization = sections.quantization
+    if quantization.group_size is not None and quantization.weights == "none":
+        problems.append(
+            "quantization.groupSize: groups apply to quantized weights; set "
+            "quantization.weights: w8a16 or remove groupSize"
+        )
     if sections.quantization.weights == "w8a16" and sections.shapes.one_row_weights != "model":
         problems.append(
             "shapes.oneRowWeights: one-row copies are of float weights; with "

@@ -1,6 +1,7 @@
 """``brook-engine convert MODEL_DIR --quantize w8a16 --output DIR``: a float Hugging Face
 folder quantized ahead of time into a W8A16 compressed-tensors folder (pack-quantized, one
-scale per output channel) that Brook, vLLM and transformers load.
+scale per output channel, or per channel and group with ``--group-size``) that Brook, vLLM
+and transformers load.
 
 The decoder's projections (q/k/v/o, gate/up/down) are quantized exactly as Brook quantizes
 at load time; the embedding, the norms and the LM head are copied in float (``ignore:
@@ -29,8 +30,13 @@ _PROJECTION = re.compile(
 )
 
 
-def quantize_folder(source: Path, output: Path, progress: bool = True) -> int:
-    """Write ``output``; returns the number of projections quantized."""
+def quantize_folder(
+    source: Path, output: Path, group_size: int | None = None, progress: bool = True
+) -> int:
+    """Write ``output`` (a scale per output channel, or per channel and ``group_size``
+    input channels); returns the number of projections quantized."""
+    if group_size is not None and (group_size <= 0 or group_size % 32):
+        raise ConfigError(f"--group-size {group_size}: give a positive multiple of 32")
     config_path = source / "config.json"
     if not config_path.is_file():
         raise ConfigError(f"{source} has no config.json; give a Hugging Face model folder")
@@ -57,9 +63,14 @@ def quantize_folder(source: Path, output: Path, progress: bool = True) -> int:
                     tensor = f.get_tensor(name)
                     if _PROJECTION.match(name) and tensor.dim() == 2:
                         base = name.removesuffix(".weight")
-                        q = quantize(tensor)
+                        if group_size is not None and tensor.shape[1] % group_size:
+                            raise ConfigError(
+                                f"--group-size {group_size} does not divide the input width "
+                                f"{tensor.shape[1]} of {name}; use a multiple of 32 that does"
+                            )
+                        q = quantize(tensor, group_size=group_size)
                         tensors[f"{base}.weight_packed"] = quant_checkpoint.pack_int8(q.q)
-                        tensors[f"{base}.weight_scale"] = q.scale[:, None].contiguous()
+                        tensors[f"{base}.weight_scale"] = q.scale.contiguous()
                         tensors[f"{base}.weight_shape"] = torch.tensor(tuple(tensor.shape))
                         quantized += 1
                     else:
@@ -71,6 +82,6 @@ def quantize_folder(source: Path, output: Path, progress: bool = True) -> int:
     if (source / "model.safetensors.index.json").exists():
         index = {"metadata": {}, "weight_map": weight_map}
         (output / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    config["quantization_config"] = quant_checkpoint.quantization_config(["lm_head"])
+    config["quantization_config"] = quant_checkpoint.quantization_config(["lm_head"], group_size)
     (output / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return quantized

@@ -94,6 +94,7 @@ class ModelRunner:
             comm,
             progress and topo.is_driver,
             config.quantization.weights,
+            config.quantization.group_size,
         )
         copies = add_one_row_copies(
             self.model, config.shapes.one_row_weights, self.dtype, self.device

@@ -29,7 +29,7 @@ from brook_engine.layers.tensor_parallel import (
     VocabParallelHead,
 )
 from brook_engine.models.arch import ModelArch
-from brook_engine.quant.linear import Int8Linear, QuantizedHead
+from brook_engine.quant.linear import W8A16, Int8Linear, QuantizedHead
 
 #: cos and sin of the step's positions, [tokens, 1, head_dim] each
 Rotary = tuple[torch.Tensor, torch.Tensor]
@@ -42,11 +42,11 @@ class Reduction(Protocol):
 
 
 def make_linear(
-    in_features: int, out_features: int, bias: bool, dtype: torch.dtype, int8: bool
+    in_features: int, out_features: int, bias: bool, dtype: torch.dtype, int8: W8A16 | None
 ) -> nn.Module:
     """A projection: float (``Linear``) or W8A16 (``Int8Linear``)."""
-    if int8:
-        return Int8Linear(in_features, out_features, bias, dtype)
+    if int8 is not None:
+        return Int8Linear(in_features, out_features, bias, dtype, int8.group_for(in_features))
     return Linear(in_features, out_features, bias=bias, dtype=dtype)
 
 
@@ -57,7 +57,7 @@ class Attention(nn.Module):
         dtype: torch.dtype,
         shard: Shard,
         comm: TensorComm | None,
-        int8: bool = False,
+        int8: W8A16 | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = arch.num_heads // shard.tp_size
@@ -106,7 +106,7 @@ class MLP(nn.Module):
         dtype: torch.dtype,
         shard: Shard,
         comm: TensorComm | None,
-        int8: bool = False,
+        int8: W8A16 | None = None,
     ) -> None:
         super().__init__()
         self.intermediate = arch.intermediate_size // shard.tp_size
@@ -130,7 +130,7 @@ class DecoderLayer(nn.Module):
         dtype: torch.dtype,
         shard: Shard,
         comm: TensorComm | None,
-        int8: bool = False,
+        int8: W8A16 | None = None,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
@@ -179,7 +179,7 @@ class Decoder(nn.Module):
         dtype: torch.dtype,
         shard: Shard,
         comm: TensorComm | None,
-        int8: bool = False,
+        int8: W8A16 | None = None,
     ) -> None:
         super().__init__()
         self.embed_tokens = (
@@ -203,7 +203,7 @@ class CausalLM(nn.Module):
         dtype: torch.dtype,
         shard: Shard | None = None,
         comm: TensorComm | None = None,
-        int8: bool = False,
+        int8: W8A16 | None = None,
     ) -> None:
         """``int8``: W8A16 projections (``quant.linear``); the embedding, norms and the LM
         head's table stay in ``dtype``."""

@@ -26,7 +26,7 @@ from brook_engine.layers.tensor_parallel import Shard, TensorComm
 from brook_engine.models.arch import ModelArch
 from brook_engine.models.llama import CausalLM
 from brook_engine.quant import checkpoint as quant_checkpoint
-from brook_engine.quant.linear import Int8Linear, QuantizedHead
+from brook_engine.quant.linear import W8A16, Int8Linear, QuantizedHead
 from brook_engine.quant.quantize import quantize
 
 log = logging.getLogger(__name__)
@@ -63,13 +63,15 @@ def load_model(
     comm: TensorComm | None,
     progress: bool,
     weights: str = "none",
+    group_size: int | None = None,
 ) -> tuple[CausalLM, int]:
     """This rank's part of the model, built without memory first, then filled from the
     checkpoint; and the bytes its weights take (on CPU with the oneDNN-packed copies).
 
     ``weights`` is ``quantization.weights``: ``w8a16`` quantizes a float checkpoint's
     projections as they are read (one tensor in float at a time) or reads a W8A16
-    compressed-tensors checkpoint as it is, and gives the LM head an int8 copy."""
+    compressed-tensors checkpoint as it is, and gives the LM head an int8 copy;
+    ``group_size`` is ``quantization.groupSize``."""
     stored = quant_checkpoint.read_quantization(folder)
     if stored is not None and weights != stored.scheme:
         raise ConfigError(
@@ -77,7 +79,7 @@ def load_model(
             f"checkpoint ({quant_checkpoint.QUANT_METHOD}, {stored.format}); set "
             f"quantization.weights: {stored.scheme}, or serve the float model"
         )
-    int8 = weights == "w8a16"
+    int8 = _w8a16(weights, group_size, stored, folder)
     with torch.device("meta"):
         model = CausalLM(arch, dtype, shard, comm, int8)
     model.to_empty(device=device)
@@ -85,14 +87,38 @@ def load_model(
     load_weights(model, folder, progress=progress)
     model.eval()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    if int8 and model.lm_head is not None:
-        head = QuantizedHead(model.lm_head.weight)
+    if int8 is not None and model.lm_head is not None:
+        head = QuantizedHead(model.lm_head.weight, int8.group_for(arch.hidden_size))
         model.lm_head.quantized = head
         weight_bytes += head.nbytes()
     if device.type == "cpu":
         weight_bytes += pack_cpu_weights(model)
         weight_bytes += sum(m.pack_for_cpu() for m in model.modules() if isinstance(m, Int8Linear))
     return model, weight_bytes
+
+
+def _w8a16(
+    weights: str,
+    group_size: int | None,
+    stored: quant_checkpoint.CheckpointQuantization | None,
+    folder: Path,
+) -> W8A16 | None:
+    """The quantization to build: the setting's, checked against a quantized checkpoint."""
+    if weights != "w8a16":
+        return None
+    if stored is None:
+        return W8A16(group_size)
+    if group_size is not None and group_size != stored.group_size:
+        held = (
+            "one scale per channel"
+            if stored.group_size is None
+            else (f"groups of {stored.group_size}")
+        )
+        raise ConfigError(
+            f"quantization.groupSize is {group_size}, but {folder} is quantized with {held}; "
+            "leave groupSize unset to use the checkpoint's"
+        )
+    return W8A16(stored.group_size)
 
 
 def add_one_row_copies(
@@ -296,17 +322,36 @@ def _fill_int8(
     """Copy int8 rows (and, from a float source, their scales) into an ``Int8Linear``."""
     param = model.get_parameter(place.param).data
     if place.dim == 1:
+        full = q.shape[1]
         q = q[:, place.src_start : place.src_start + param.shape[1]]
+        if scale is not None:
+            scale = _scale_columns(scale, full, place.src_start, param.shape[1])
     param[place.dst_start : place.dst_start + q.shape[0]].copy_(q)
     filled[place.param] = filled.get(place.param, 0) + q.shape[0]
     if scale is not None:
         _fill_scale(model, place, scale, filled)
 
 
+def _scale_columns(scale: torch.Tensor, width: int, start: int, length: int) -> torch.Tensor:
+    """The scales of input columns [start, start + length) of a row-parallel layer ``width``
+    wide: all of them for one scale per channel, else the groups those columns cover."""
+    groups = scale.shape[1]
+    if groups == 1:
+        return scale
+    size = width // groups
+    return scale[:, start // size : (start + length) // size]
+
+
 def _fill_scale(
     model: CausalLM, place: Placement, scale: torch.Tensor, filled: dict[str, int]
 ) -> None:
     target = model.get_parameter(f"{place.param}_scale").data
+    if scale.shape[1] != target.shape[1]:
+        raise ConfigError(
+            f"{place.param}: the checkpoint has {scale.shape[1]} scales per output channel "
+            f"where this layout needs {target.shape[1]}; the checkpoint does not match its "
+            "quantization_config"
+        )
     target[place.dst_start : place.dst_start + scale.shape[0]].copy_(scale)
     filled[f"{place.param}_scale"] = filled.get(f"{place.param}_scale", 0) + scale.shape[0]
 
@@ -321,9 +366,9 @@ def _place_quantized(
     filled: dict[str, int],
 ) -> None:
     """A float checkpoint tensor into an ``Int8Linear``: quantized here, rows at a time.
-    Scales are per output channel, so a column-parallel rank's rows quantize alone and a
-    row-parallel rank quantizes whole rows before it keeps its columns: every tensor-
-    parallel layout holds the same int8 values."""
+    Scales are per output channel (and group), so a column-parallel rank's rows quantize
+    alone and a row-parallel rank quantizes whole rows before it keeps its columns and their
+    groups: every tensor-parallel layout holds the same int8 values."""
     param = _int8_target(model, path, name, place)
     width = param.shape[1] * (model.shard.tp_size if place.dim == 1 else 1)
     if len(shape) != 2 or shape[1] != width or shape[0] != (place.source_rows or place.length):
@@ -331,8 +376,10 @@ def _place_quantized(
             f"{path.name}: tensor {name!r} has shape {shape}, which does not fit parameter "
             f"{place.param}; the checkpoint does not match config.json"
         )
-    scale_dtype = model.get_parameter(f"{place.param}_scale").dtype
-    quantized = quantize(_rows(f, name, place), scale_dtype=scale_dtype)
+    layer = model.get_submodule(place.param.rpartition(".")[0])
+    assert isinstance(layer, Int8Linear)
+    scale_dtype = layer.weight_scale.dtype
+    quantized = quantize(_rows(f, name, place), scale_dtype, layer.group_size)
     _fill_int8(model, place, quantized.q, quantized.scale, filled)
 
 
@@ -349,16 +396,13 @@ def _place_stored_int8(
     """A compressed-tensors tensor (``weight_packed``, an int8 ``weight`` or
     ``weight_scale``) into an ``Int8Linear``, as stored."""
     param = _int8_target(model, path, name, place)
+    columns = param.shape[1] * (model.shard.tp_size if place.dim == 1 else 1)
     if part == "scale":
         scale = _rows(f, name, place).reshape(shape[0], -1)
-        if scale.shape[1] != 1:
-            raise ConfigError(
-                f"{path.name}: {name!r} has {scale.shape[1]} scales per output channel; "
-                "Brook's W8A16 has one (strategy channel)"
-            )
-        _fill_scale(model, place, scale[:, 0], filled)
+        if place.dim == 1:
+            scale = _scale_columns(scale, columns, place.src_start, param.shape[1])
+        _fill_scale(model, place, scale, filled)
         return
-    columns = param.shape[1] * (model.shard.tp_size if place.dim == 1 else 1)
     words = -(-columns // 4) if part == "packed" else columns
     if len(shape) != 2 or shape[0] != (place.source_rows or place.length) or shape[1] != words:
         raise ConfigError(

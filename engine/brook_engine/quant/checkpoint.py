@@ -3,8 +3,9 @@ writes and vLLM loads), read and written without it.
 
 A quantized folder says so in ``config.json``'s ``quantization_config``
 (``quant_method: compressed-tensors``). Brook reads and writes int8 weights, symmetric, one
-scale per output channel (``strategy: channel``), float activations, in two of the library's
-formats:
+scale per output channel (``strategy: channel``) or per output channel and group of input
+channels (``strategy: group`` with ``group_size``, llm-compressor's W8A16 preset), float
+activations, in two of the library's formats:
 
 - ``pack-quantized`` (what Brook writes; llm-compressor's choice for integer weights): per
   layer ``weight_packed`` int32 [out, ceil(in / 4)] — four weights per word, each stored as
@@ -13,7 +14,7 @@ formats:
 - ``int-quantized`` / ``naive-quantized``: ``weight`` int8 [out, in] and ``weight_scale``.
 
 Layers named in ``ignore`` (the LM head, by default) keep their float ``weight``. Anything
-else — group scales, asymmetric zero points, other bit widths, quantized activations — is
+else — asymmetric zero points, other bit widths, quantized activations — is
 refused with the field that says so, never loaded as something it is not.
 """
 
@@ -42,6 +43,7 @@ class CheckpointQuantization:
 
     format: str
     ignore: tuple[str, ...]
+    group_size: int | None  # None: one scale per output channel
 
     @property
     def scheme(self) -> str:
@@ -77,27 +79,39 @@ def read_quantization(folder: Path) -> CheckpointQuantization | None:
             "(every quantized layer alike)"
         )
     ((name, group),) = groups.items()
-    _check_group(f"{where}.config_groups.{name}", group)
+    group_size = _check_group(f"{where}.config_groups.{name}", group)
     status = block.get("quantization_status", "compressed")
     if status != "compressed":
         raise ConfigError(f"{where}.quantization_status is {status!r}; expected 'compressed'")
-    return CheckpointQuantization(fmt, tuple(block.get("ignore") or ()))
+    return CheckpointQuantization(fmt, tuple(block.get("ignore") or ()), group_size)
 
 
-def _check_group(where: str, group: dict[str, Any]) -> None:
+def _check_group(where: str, group: dict[str, Any]) -> int | None:
+    """The group's group size (None: per channel), or a ``ConfigError``."""
     weights = group.get("weights") or {}
-    expected = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
+    expected = {"num_bits": 8, "type": "int", "symmetric": True}
     for key, value in expected.items():
         if weights.get(key) != value:
             raise ConfigError(
                 f"{where}.weights.{key} is {weights.get(key)!r}; Brook's W8A16 runs "
-                f"{key}={value!r} (int8, symmetric, one scale per output channel)"
-                + (
-                    "; group scales are not supported yet — quantize with strategy 'channel'"
-                    if key == "strategy"
-                    else ""
-                )
+                f"{key}={value!r} (int8, symmetric)"
             )
+    strategy, size = weights.get("strategy"), weights.get("group_size")
+    if strategy not in ("channel", "group"):
+        raise ConfigError(
+            f"{where}.weights.strategy is {strategy!r}; Brook's W8A16 runs 'channel' (a "
+            "scale per output channel) or 'group' (per channel and group of input channels)"
+        )
+    if strategy == "group" and (not isinstance(size, int) or size <= 0 or size % 32):
+        raise ConfigError(
+            f"{where}.weights.group_size is {size!r}; a group strategy needs a positive "
+            "multiple of 32"
+        )
+    if weights.get("actorder"):
+        raise ConfigError(
+            f"{where}.weights.actorder is {weights.get('actorder')!r}; Brook reads groups in "
+            "input-channel order (actorder null)"
+        )
     if weights.get("dynamic"):
         raise ConfigError(f"{where}.weights.dynamic is true; W8A16 weights are static")
     for key in ("input_activations", "output_activations"):
@@ -106,6 +120,7 @@ def _check_group(where: str, group: dict[str, Any]) -> None:
                 f"{where}.{key} is set; W8A16 keeps activations in float — Brook does not "
                 "run quantized activations"
             )
+    return size if strategy == "group" else None
 
 
 def unpack_int8(packed: torch.Tensor, columns: int) -> torch.Tensor:
@@ -129,9 +144,9 @@ def pack_int8(q: torch.Tensor) -> torch.Tensor:
     return stored.view(torch.int32)
 
 
-def quantization_config(ignore: list[str]) -> dict[str, Any]:
-    """The ``quantization_config`` block Brook writes (llm-compressor's W8A16 with one scale
-    per output channel)."""
+def quantization_config(ignore: list[str], group_size: int | None) -> dict[str, Any]:
+    """The ``quantization_config`` block Brook writes (llm-compressor's W8A16, with one scale
+    per output channel or per channel and group)."""
     return {
         "quant_method": QUANT_METHOD,
         "format": WRITE_FORMAT,
@@ -143,8 +158,8 @@ def quantization_config(ignore: list[str]) -> dict[str, Any]:
                     "num_bits": 8,
                     "type": "int",
                     "symmetric": True,
-                    "strategy": "channel",
-                    "group_size": None,
+                    "strategy": "channel" if group_size is None else "group",
+                    "group_size": group_size,
                     "dynamic": False,
                     "observer": "minmax",
                     "actorder": None,

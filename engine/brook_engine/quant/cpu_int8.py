@@ -2,7 +2,8 @@
 
 With Brook's C kernels (``layers/csrc/int8_matmul.c``) every product runs there, over a
 tiled copy of the weight made once at load time: each int8 weight is widened to float32 once
-per pass and used for up to six rows, so one row streams the weight (half the bytes of BF16)
+per pass and used for up to six rows, the sums of each group of input channels scaled as
+the group ends, so one row streams the weight (half the bytes of BF16)
 and a batch pays the widening once per six rows; AVX-512, AVX2 + FMA and portable C paths.
 Without them (``BROOK_CPU_KERNELS=off``, no compiler), the weight is widened for PyTorch's
 matrix multiply (PyTorch's own ``aten._weight_int8pack_mm`` was tried: fast for one row, but
@@ -13,11 +14,13 @@ Figures in docs/quantization.md.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from brook_engine.layers import cpu_kernels
+from brook_engine.quant.quantize import dequantize
 
 TILE = 16  # output channels per tile of the packed layout
 
@@ -30,51 +33,66 @@ def isa_limit() -> int:
     return _ISA_NAMES.get(os.environ.get("BROOK_INT8_ISA", "avx512").lower(), 2)
 
 
-def pack(q: torch.Tensor) -> torch.Tensor | None:
-    """The tiled copy of int8 ``q`` [out, in] Brook's kernel reads (flat, ``out`` rounded up
-    to 16), or None where the kernels do not run."""
+@dataclass(frozen=True)
+class TiledWeight:
+    """What Brook's kernel reads: the int8 weight in tiles of 16 output channels (flat,
+    ``out`` rounded up to 16) and the scales as float32 [groups, out rounded up to 16]."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @property
+    def group_size(self) -> int:
+        return self.in_features // self.scales.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.scales.numel() * 4
+
+    def int8(self) -> torch.Tensor:
+        """The plain int8 [out, in] weight back."""
+        tiles = self.packed.view(-1, self.in_features, TILE)
+        plain = tiles.permute(0, 2, 1).reshape(-1, self.in_features)
+        return plain[: self.out_features].contiguous()
+
+
+def tile(q: torch.Tensor, scale: torch.Tensor) -> TiledWeight | None:
+    """The tiled copy of int8 ``q`` [out, in] with ``scale`` [out, groups], or None where
+    Brook's kernels do not run."""
     lib = cpu_kernels.library()
     if lib is None or q.device.type != "cpu":
         return None
     out, inn = q.shape
-    packed = torch.empty(-(-out // TILE) * TILE * inn, dtype=torch.int8)
-    q = q.contiguous()
-    lib.brook_int8_pack(q.data_ptr(), packed.data_ptr(), out, inn)
-    return packed
+    padded = -(-out // TILE) * TILE
+    packed = torch.empty(padded * inn, dtype=torch.int8)
+    lib.brook_int8_pack(q.contiguous().data_ptr(), packed.data_ptr(), out, inn)
+    scales = torch.zeros(scale.shape[1], padded, dtype=torch.float32)
+    scales[:, :out] = scale.float().t()
+    return TiledWeight(packed, scales, out, inn)
 
 
-def unpack(packed: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-    """The plain int8 [out, in] weight of a tiled copy."""
-    out, inn = shape
-    tiles = packed.view(-1, inn, TILE)
-    return tiles.permute(0, 2, 1).reshape(-1, inn)[:out].contiguous()
-
-
-def packed_linear(
-    x: torch.Tensor,
-    packed: torch.Tensor,
-    scale_f32: torch.Tensor,
-    bias: torch.Tensor | None,
-    out_features: int,
-) -> torch.Tensor:
-    """``x @ (q * scale).T + bias`` for x [rows, in] with Brook's kernel over the tiled
-    copy; float32 sums, one rounding to ``x``'s dtype."""
+def tiled_linear(x: torch.Tensor, tiled: TiledWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` for x [rows, in] with Brook's kernel; float32 sums, one rounding
+    to ``x``'s dtype."""
     lib = cpu_kernels.library()
     assert lib is not None, "a tiled weight exists only where the kernels run"
     kind = {torch.float32: 0, torch.bfloat16: 1}.get(x.dtype)
     source = (x if kind is not None else x.float()).contiguous()
-    rows, inn = source.shape
-    out = torch.empty(rows, out_features, dtype=source.dtype)
-    bias_f32 = None if bias is None else bias.float().contiguous()
+    rows = source.shape[0]
+    out = torch.empty(rows, tiled.out_features, dtype=source.dtype)
+    bias_f32 = None if bias is None else bias.float().contiguous()  # a view when float32
     lib.brook_int8_matmul(
         source.data_ptr(),
-        packed.data_ptr(),
-        scale_f32.data_ptr(),
+        tiled.packed.data_ptr(),
+        tiled.scales.data_ptr(),
         None if bias_f32 is None else bias_f32.data_ptr(),
         out.data_ptr(),
         rows,
-        out_features,
-        inn,
+        tiled.out_features,
+        tiled.in_features,
+        tiled.group_size,
         0 if kind is None else kind,
         _isa(lib),
         torch.get_num_threads(),
@@ -86,7 +104,7 @@ def plain_linear(
     x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """The same without Brook's kernels: the weight widened for this product."""
-    return F.linear(x, q.to(x.dtype) * scale.to(x.dtype)[:, None], bias)
+    return F.linear(x, dequantize(q, scale, x.dtype), bias)
 
 
 _isa_cache: dict[int, int] = {}

@@ -1,11 +1,11 @@
 """The int8 linear layer of W8A16 and the quantized copy of the LM head.
 
-``Int8Linear`` holds ``weight`` (int8 [out, in]) and ``weight_scale`` ([out], the model
-dtype) — the names and meaning of the compressed-tensors format — and multiplies with the
-fastest path of its device: Brook's CPU kernel over a tiled copy of the weight
-(``cpu_int8``), Ascend's native W8A16 product (``npu_int8``), and elsewhere (CUDA, CPU
-without Brook's kernels) the weight widened for the product. Activations, bias and output
-stay in the model dtype; sums run in float32.
+``Int8Linear`` holds ``weight`` (int8 [out, in]) and ``weight_scale`` ([out, groups], the
+model dtype; one group: a scale per output channel) — the names and meaning of the
+compressed-tensors format — and multiplies with the fastest path of its device: Brook's CPU
+kernel over a tiled copy of the weight (``cpu_int8``), Ascend's native W8A16 product
+(``npu_int8``), and elsewhere (CUDA, CPU without Brook's kernels) the weight widened for the
+product. Activations, bias and output stay in the model dtype; sums run in float32.
 
 On CPU the tiled copy replaces the plain weight (no extra memory); ``dequantized`` gives the
 float weight back either way.
@@ -13,55 +13,89 @@ float weight back either way.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from brook_engine.config import ConfigError
 from brook_engine.quant import cpu_int8, npu_int8
-from brook_engine.quant.quantize import QuantizedWeight, quantize
+from brook_engine.quant.cpu_int8 import TiledWeight
+from brook_engine.quant.quantize import dequantize, quantize
+
+
+@dataclass(frozen=True)
+class W8A16:
+    """How a model's projections are quantized: a scale per output channel
+    (``group_size`` None) or per channel and group of input channels."""
+
+    group_size: int | None = None
+
+    def group_for(self, in_features: int) -> int | None:
+        """The group size for a projection this wide (as this rank holds it), or a
+        ``ConfigError`` naming the setting when it does not divide the width."""
+        size = self.group_size
+        if size is not None and in_features % size:
+            raise ConfigError(
+                f"quantization.groupSize: {size} does not divide a projection's input width "
+                f"of {in_features} (on this tensor rank); use a multiple of 32 that divides "
+                "it, or leave groupSize unset for one scale per channel"
+            )
+        return size
 
 
 class Int8Linear(nn.Module):
-    """``y = x @ (weight * weight_scale[:, None]).T + bias`` with an int8 ``weight``."""
+    """``y = x @ W.T + bias`` with ``W = weight * weight_scale`` (per channel and group)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        group_size: int | None = None,
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        self.group_size = group_size  # None: one scale per output channel
+        groups = 1 if group_size is None else in_features // group_size
         self.weight = nn.Parameter(
             torch.empty(out_features, in_features, dtype=torch.int8), requires_grad=False
         )
-        self.weight_scale = nn.Parameter(torch.empty(out_features, dtype=dtype))
+        self.weight_scale = nn.Parameter(torch.empty(out_features, groups, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
-        self.packed: torch.Tensor | None = None  # CPU: the tiled copy (layers/csrc)
-        self.scale_f32: torch.Tensor | None = None
+        self.tiled: TiledWeight | None = None  # CPU: the copy Brook's kernel reads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return int8_product(
-            x, self.weight, self.weight_scale, self.bias, self.packed, self.scale_f32
-        )
+        return int8_product(x, self.weight, self.weight_scale, self.bias, self.tiled)
+
+    def int8(self) -> torch.Tensor:
+        """The int8 [out, in] weight, from the tiled copy where it replaced the plain one."""
+        return self.weight.detach() if self.tiled is None else self.tiled.int8()
 
     def dequantized(self) -> torch.Tensor:
         """The float weight this layer multiplies by, in the model dtype."""
-        q = self.weight if self.packed is None else cpu_int8.unpack(self.packed, self.shape)
-        return QuantizedWeight(q, self.weight_scale.detach()).dequantize()
+        scale = self.weight_scale.detach()
+        return dequantize(self.int8(), scale, scale.dtype)
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.out_features, self.in_features
+    def held_bytes(self) -> int:
+        """Bytes of the int8 weight (plain or tiled) and its scales."""
+        held = self.weight.numel() if self.tiled is None else self.tiled.packed.numel()
+        return held + self.weight_scale.numel() * self.weight_scale.element_size()
 
     def pack_for_cpu(self) -> int:
         """Replace the plain int8 weight by the tiled copy Brook's CPU kernel reads (where
-        the kernels run); returns the bytes it takes more than the plain weight (padding)."""
-        if self.packed is not None or self.weight.device.type != "cpu":
+        the kernels run); returns the bytes it takes more than the plain weight (padding
+        and float32 scales)."""
+        if self.tiled is not None or self.weight.device.type != "cpu":
             return 0
-        packed = cpu_int8.pack(self.weight.detach())
-        if packed is None:
+        tiled = cpu_int8.tile(self.weight.detach(), self.weight_scale.detach())
+        if tiled is None:
             return 0
-        self.packed = packed
-        self.scale_f32 = self.weight_scale.detach().float().contiguous()
+        self.tiled = tiled
         plain = self.weight.numel()
         self.weight = nn.Parameter(torch.empty(0, dtype=torch.int8), requires_grad=False)
-        return packed.numel() - plain
+        return tiled.nbytes - plain
 
 
 def int8_product(
@@ -69,49 +103,44 @@ def int8_product(
     q: torch.Tensor,
     scale: torch.Tensor,
     bias: torch.Tensor | None,
-    packed: torch.Tensor | None = None,
-    scale_f32: torch.Tensor | None = None,
+    tiled: TiledWeight | None = None,
 ) -> torch.Tensor:
-    """``x @ (q * scale[:, None]).T + bias`` on ``x``'s device by its fastest path."""
+    """``x @ (q * scale).T + bias`` on ``x``'s device by its fastest path."""
     device = x.device.type
     if device == "cpu":
-        if packed is not None and scale_f32 is not None:
-            return cpu_int8.packed_linear(x, packed, scale_f32, bias, scale.shape[0])
+        if tiled is not None:
+            return cpu_int8.tiled_linear(x, tiled, bias)
         return cpu_int8.plain_linear(x, q, scale, bias)
     if device == "npu":
         return npu_int8.int8_linear(x, q, scale, bias)
     # CUDA and the rest: widen the weight for this product (dequantize on the fly).
-    return F.linear(x, q.to(x.dtype) * scale.to(x.dtype)[:, None], bias)
+    return torch.nn.functional.linear(x, dequantize(q, scale, x.dtype), bias)
 
 
 class QuantizedHead(nn.Module):
-    """An int8 copy of the LM head (rows: vocabulary entries, one scale each); the float
-    table stays for the embedding of a tied model and for float32 measurements."""
+    """An int8 copy of the LM head (rows: vocabulary entries); the float table stays for
+    the embedding of a tied model and for float32 measurements."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, group_size: int | None = None) -> None:
         super().__init__()
-        quantized = quantize(weight.detach())
-        self.in_features = weight.shape[1]
+        quantized = quantize(weight.detach(), group_size=group_size)
         self.q: torch.Tensor | None = quantized.q
         self.scale = quantized.scale
-        self.packed = cpu_int8.pack(quantized.q) if weight.device.type == "cpu" else None
-        self.scale_f32 = self.scale.float().contiguous()
-        if self.packed is not None:
+        self.tiled = cpu_int8.tile(quantized.q, quantized.scale)
+        if self.tiled is not None:
             self.q = None  # the tiled copy replaces it
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         q = self.q if self.q is not None else torch.empty(0, dtype=torch.int8)
-        return int8_product(hidden, q, self.scale, None, self.packed, self.scale_f32)
+        return int8_product(hidden, q, self.scale, None, self.tiled)
 
     def dequantized(self) -> torch.Tensor:
         """The float head this copy multiplies by, in the model dtype."""
-        q = self.q if self.q is not None else None
-        if q is None:
-            assert self.packed is not None
-            q = cpu_int8.unpack(self.packed, (self.scale.shape[0], self.in_features))
-        return QuantizedWeight(q, self.scale).dequantize()
+        q = self.q if self.q is not None else self.tiled.int8()  # type: ignore[union-attr]
+        return dequantize(q, self.scale, self.scale.dtype)
 
     def nbytes(self) -> int:
-        held = self.packed if self.packed is not None else self.q
-        assert held is not None
-        return held.numel() + self.scale.numel() * self.scale.element_size()
+        if self.tiled is not None:
+            return self.tiled.nbytes
+        assert self.q is not None
+        return self.q.numel() + self.scale.numel() * self.scale.element_size()

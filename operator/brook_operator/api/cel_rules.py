@@ -59,6 +59,12 @@ CEL_RULES: dict[type[BaseModel], list[Rule]] = {
             ".shapes.oneRowWeights",
         ),
         Rule(
+            "!has(self.quantization.groupSize) || self.quantization.weights == 'w8a16'",
+            "quantization.groupSize: groups apply to quantized weights; set "
+            "quantization.weights: w8a16 or remove groupSize",
+            ".quantization.groupSize",
+        ),
+        Rule(
             "self.shapes.mode == 'eager'",
             "shapes.mode: compile is not available yet; use eager",
             ".shapes.mode",

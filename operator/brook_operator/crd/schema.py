@@ -27,6 +27,7 @@ _KEEP_VALUE_KEYS = {
     "enum",
     "minimum",
     "maximum",
+    "multipleOf",
     "minLength",
     "maxLength",
     "minItems",

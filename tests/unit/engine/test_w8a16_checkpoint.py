@@ -34,13 +34,13 @@ def _greedy(folder: Path, **options: Any) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
-def _int8_layers(folder: Path) -> dict[str, torch.Tensor]:
+def _int8_layers(folder: Path, group_size: int | None = None) -> dict[str, torch.Tensor]:
     llm = LLM(
         str(folder),
         dtype="float32",
         kv_cache=EXACT_KV,
         progress=False,
-        quantization={"weights": "w8a16"},
+        quantization={"weights": "w8a16", "group_size": group_size},
     )
     return {
         name: module.dequantized()
@@ -49,12 +49,16 @@ def _int8_layers(folder: Path) -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.fixture
-def converted(make_tiny_model: Callable[..., Path], tmp_path: Path) -> tuple[Path, Path]:
+@pytest.fixture(params=[None, 32], ids=["channel", "group32"])
+def converted(
+    request: pytest.FixtureRequest, make_tiny_model: Callable[..., Path], tmp_path: Path
+) -> tuple[Path, Path, int | None]:
     source = make_tiny_model("qwen2")  # qkv bias, tied embeddings
     output = tmp_path / "w8a16"
-    assert engine_cli(["convert", str(source), "--quantize", "w8a16", "--output", str(output)]) == 0
-    return source, output
+    group = [] if request.param is None else ["--group-size", str(request.param)]
+    command = ["convert", str(source), "--quantize", "w8a16", "--output", str(output), *group]
+    assert engine_cli(command) == 0
+    return source, output, request.param
 
 
 def test_packing_follows_the_library() -> None:
@@ -71,12 +75,17 @@ def test_packing_follows_the_library() -> None:
     assert word & 0xFFFF_FFFF == 0xFF80_7F00  # q + 128 per byte, the first in the lowest
 
 
-def test_the_library_reads_brooks_folder_bit_for_bit(converted: tuple[Path, Path]) -> None:
+def test_the_library_reads_brooks_folder_bit_for_bit(
+    converted: tuple[Path, Path, int | None],
+) -> None:
     from compressed_tensors.entrypoints.convert import CompressedTensorsDequantizer
 
-    source, output = converted
+    source, output, group_size = converted
     config = json.loads((output / "config.json").read_text())["quantization_config"]
     assert config["format"] == "pack-quantized" and config["ignore"] == ["lm_head"]
+    weights = config["config_groups"]["group_0"]["weights"]
+    assert weights["strategy"] == ("channel" if group_size is None else "group")
+    assert weights["group_size"] == group_size
     stored = load_file(str(output / "model.safetensors"))
     dense = CompressedTensorsDequantizer(str(output), dtype=torch.float32).process(dict(stored))
     original = load_file(str(source / "model.safetensors"))
@@ -84,7 +93,7 @@ def test_the_library_reads_brooks_folder_bit_for_bit(converted: tuple[Path, Path
     assert len(projections) == 7 * 3
     for name in projections:
         assert name.removesuffix(".weight") + ".weight_packed" in stored
-        expected = quantize(original[name]).dequantize(torch.float32)
+        expected = quantize(original[name], group_size=group_size).dequantize(torch.float32)
         assert torch.equal(dense[name], expected), name
     # Everything else is copied as it was.
     for name in ("model.embed_tokens.weight", "model.norm.weight"):
@@ -92,23 +101,28 @@ def test_the_library_reads_brooks_folder_bit_for_bit(converted: tuple[Path, Path
 
 
 def test_brook_to_folder_to_brook_equals_load_time_quantization(
-    converted: tuple[Path, Path],
+    converted: tuple[Path, Path, int | None],
 ) -> None:
-    source, output = converted
-    at_load = _int8_layers(source)
-    from_folder = _int8_layers(output)
+    source, output, group_size = converted
+    at_load = _int8_layers(source, group_size)
+    from_folder = _int8_layers(output)  # the folder's own grouping
     assert at_load.keys() == from_folder.keys()
     for name, weight in at_load.items():
         assert torch.equal(from_folder[name], weight), name
-    w8a16 = {"quantization": {"weights": "w8a16"}}
-    assert _greedy(output, **w8a16) == _greedy(source, **w8a16)
+    w8a16 = {"weights": "w8a16", "group_size": group_size}
+    assert _greedy(output, quantization={"weights": "w8a16"}) == _greedy(source, quantization=w8a16)
+    other = 64 if group_size is None else None
+    if other is not None:  # asking for another grouping than the folder's: an error
+        with pytest.raises(ConfigError, match=r"quantization\.groupSize is 64"):
+            _int8_layers(output, other)
 
 
+@pytest.mark.parametrize("group_size", [None, 32])
 def test_a_folder_written_by_the_library_loads(
-    make_tiny_model: Callable[..., Path], tmp_path: Path
+    group_size: int | None, make_tiny_model: Callable[..., Path], tmp_path: Path
 ) -> None:
-    """llm-compressor's way: the library's own compressor writes the folder (channel
-    scales, pack-quantized); Brook generates what transformers generates with the weights
+    """llm-compressor's way: the library's own compressor writes the folder (channel or
+    group scales, pack-quantized); Brook generates what transformers generates with the weights
     the library decompresses."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
@@ -124,7 +138,12 @@ def test_a_folder_written_by_the_library_loads(
     scheme = QuantizationScheme(
         targets=["Linear"],
         weights=QuantizationArgs(
-            num_bits=8, type="int", symmetric=True, dynamic=False, strategy="channel"
+            num_bits=8,
+            type="int",
+            symmetric=True,
+            dynamic=False,
+            strategy="channel" if group_size is None else "group",
+            group_size=group_size,
         ),
     )
     apply_quantization_config(
@@ -134,8 +153,8 @@ def test_a_folder_written_by_the_library_loads(
     for name, module in model.named_modules():
         if getattr(module, "quantization_scheme", None) is None:
             continue
-        quantized = quantize(module.weight.detach())
-        module.weight_scale.data.copy_(quantized.scale[:, None])
+        quantized = quantize(module.weight.detach(), group_size=group_size)
+        module.weight_scale.data.copy_(quantized.scale)
         module.weight = torch.nn.Parameter(quantized.dequantize(), requires_grad=False)
         dequantized[name] = quantized.dequantize()
     compressor = ModelCompressor.from_pretrained_model(model)
@@ -163,14 +182,18 @@ def test_a_folder_written_by_the_library_loads(
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
-def test_a_quantized_folder_asks_for_the_setting(converted: tuple[Path, Path]) -> None:
-    _, output = converted
+def test_a_quantized_folder_asks_for_the_setting(
+    converted: tuple[Path, Path, int | None],
+) -> None:
+    _, output, _ = converted
     with pytest.raises(ConfigError, match=r"set quantization\.weights: w8a16"):
         LLM(str(output), dtype="float32", progress=False)
 
 
-def test_convert_refuses_bad_input(converted: tuple[Path, Path], tmp_path: Path) -> None:
-    source, output = converted
+def test_convert_refuses_bad_input(
+    converted: tuple[Path, Path, int | None], tmp_path: Path
+) -> None:
+    source, output, _ = converted
     # an existing non-empty output, a quantized source, a folder without a model
     assert engine_cli(["convert", str(source), "--quantize", "w8a16", "--output", str(output)]) == 1
     again = tmp_path / "again"
@@ -178,3 +201,8 @@ def test_convert_refuses_bad_input(converted: tuple[Path, Path], tmp_path: Path)
     empty = tmp_path / "empty"
     empty.mkdir()
     assert engine_cli(["convert", str(empty), "--quantize", "w8a16", "--output", str(again)]) == 1
+    odd = ["--group-size", "48"]
+    assert (
+        engine_cli(["convert", str(source), "--quantize", "w8a16", "--output", str(again), *odd])
+        == 1
+    )

@@ -40,6 +40,16 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
         {"spec.quantization.weights": "w8a16", "spec.shapes.oneRowWeights": "bf16"},
         "spec.shapes.oneRowWeights",
     ),
+    (
+        "group-size-without-w8a16",
+        {"spec.quantization.weights": "none", "spec.quantization.groupSize": 32},
+        "spec.quantization.groupSize",
+    ),
+    (
+        "group-size-not-multiple-of-32",
+        {"spec.quantization.groupSize": 48},
+        "spec.quantization.groupSize",
+    ),
     ("offload-not-built", {"spec.offload.policy": "static"}, "spec.offload.policy"),
     ("compile-not-built", {"spec.shapes.mode": "compile"}, "spec.shapes.mode"),
     ("offload-policy-enum", {"spec.offload.policy": "sometimes"}, "spec.offload.policy"),
