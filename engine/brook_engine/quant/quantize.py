@@ -5,8 +5,8 @@ The scale and rounding are those of the ``compressed-tensors`` library's min-max
 (what llm-compressor writes for its W8A16 scheme): ``scale = max|w| / 127.5`` per row and
 ``q = clamp(round(w / scale), -128, 127)`` (max over a row, or over a row's group), so a
 checkpoint Brook quantizes is the one those tools would write for the same weights.
-Quantization is computed in float32 whatever the model dtype; the scale is stored in the model dtype, as the format does, and the kernels
-multiply in float32.
+Quantization is computed in float32 whatever the model dtype; the scale is stored in the
+model dtype, as the format does, and the kernels multiply in float32.
 """
 
 from __future__ import annotations
