@@ -250,14 +250,10 @@ def load_weights(model: CausalLM, folder: Path, progress: bool = True) -> None:
                             f"{path.name}: unexpected tensor {name!r} for {model.arch.architecture}"
                         )
                     for place in targets:
-                        if part == "float":
-                            param = model.get_parameter(place.param) if place.param else None
-                            if param is not None and param.dtype == torch.int8:
-                                _place_quantized(model, f, path, name, shape, place, filled)
-                                continue
-                            _place(model, f, path, name, shape, place, filled)
+                        if part != "float" or _holds_int8(model, place.param):
+                            _place_int8(model, f, path, name, part, shape, place, filled)
                         else:
-                            _place_stored_int8(model, f, path, name, part, shape, place, filled)
+                            _place(model, f, path, name, shape, place, filled)
             bar.update(1)
     _zero_vocab_padding(model, filled)
     missing = sorted(n for n in expected if filled.get(n, 0) != model.get_parameter(n).shape[0])
@@ -268,22 +264,21 @@ def load_weights(model: CausalLM, folder: Path, progress: bool = True) -> None:
         raise ConfigError(f"{folder}: checkpoint lacks {shown}")
 
 
-_PARTS = {
-    "weight_packed": "packed",
-    "weight_scale": "scale",
-    "weight_shape": "shape",
-    "weight_zero_point": "zero_point",
-}
-
-
 def _canonical(name: str) -> tuple[str, str]:
     """A compressed-tensors name as the float weight it stands for, and which part of it:
-    ``x.weight_packed`` → (``x.weight``, ``packed``); a plain tensor → (name, ``float``),
-    or ``int8`` for an int8 ``weight`` (the int-quantized format)."""
+    ``x.weight_packed`` → (``x.weight``, ``packed``); a plain tensor → (name, ``float``)."""
     base, _, suffix = name.rpartition(".")
-    if suffix in _PARTS:
-        return f"{base}.weight", _PARTS[suffix]
+    if suffix in quant_checkpoint.PARTS:
+        return f"{base}.weight", quant_checkpoint.PARTS[suffix]
     return name, "float"
+
+
+def _holds_int8(model: CausalLM, param: str) -> bool:
+    """Whether ``param`` is an ``Int8Linear``'s weight (a float tensor is quantized into it)."""
+    try:
+        return model.get_parameter(param).dtype == torch.int8
+    except AttributeError:
+        return False  # ``_place`` names the unexpected tensor
 
 
 def _check_aside(f: Any, path: Path, name: str, part: str) -> None:
@@ -356,34 +351,7 @@ def _fill_scale(
     filled[f"{place.param}_scale"] = filled.get(f"{place.param}_scale", 0) + scale.shape[0]
 
 
-def _place_quantized(
-    model: CausalLM,
-    f: Any,
-    path: Path,
-    name: str,
-    shape: tuple[int, ...],
-    place: Placement,
-    filled: dict[str, int],
-) -> None:
-    """A float checkpoint tensor into an ``Int8Linear``: quantized here, rows at a time.
-    Scales are per output channel (and group), so a column-parallel rank's rows quantize
-    alone and a row-parallel rank quantizes whole rows before it keeps its columns and their
-    groups: every tensor-parallel layout holds the same int8 values."""
-    param = _int8_target(model, path, name, place)
-    width = param.shape[1] * (model.shard.tp_size if place.dim == 1 else 1)
-    if len(shape) != 2 or shape[1] != width or shape[0] != (place.source_rows or place.length):
-        raise ConfigError(
-            f"{path.name}: tensor {name!r} has shape {shape}, which does not fit parameter "
-            f"{place.param}; the checkpoint does not match config.json"
-        )
-    layer = model.get_submodule(place.param.rpartition(".")[0])
-    assert isinstance(layer, Int8Linear)
-    scale_dtype = layer.weight_scale.dtype
-    quantized = quantize(_rows(f, name, place), scale_dtype, layer.group_size)
-    _fill_int8(model, place, quantized.q, quantized.scale, filled)
-
-
-def _place_stored_int8(
+def _place_int8(
     model: CausalLM,
     f: Any,
     path: Path,
@@ -393,8 +361,12 @@ def _place_stored_int8(
     place: Placement,
     filled: dict[str, int],
 ) -> None:
-    """A compressed-tensors tensor (``weight_packed``, an int8 ``weight`` or
-    ``weight_scale``) into an ``Int8Linear``, as stored."""
+    """A checkpoint tensor into an ``Int8Linear``: a float weight quantized here, rows at a
+    time, or a compressed-tensors tensor (``weight_packed``, an int8 ``weight``,
+    ``weight_scale``) as stored. Scales are per output channel (and group), so a
+    column-parallel rank's rows quantize alone and a row-parallel rank quantizes whole rows
+    before it keeps its columns and their groups: every tensor-parallel layout holds the
+    same int8 values."""
     param = _int8_target(model, path, name, place)
     columns = param.shape[1] * (model.shard.tp_size if place.dim == 1 else 1)
     if part == "scale":
@@ -410,11 +382,15 @@ def _place_stored_int8(
             f"{place.param} ({columns} input channels); the checkpoint does not match "
             "config.json"
         )
-    if part == "packed":
-        q = quant_checkpoint.unpack_int8(_rows(f, name, place), columns)
+    rows = _rows(f, name, place)
+    if part == "float":
+        layer = model.get_submodule(place.param.rpartition(".")[0])
+        assert isinstance(layer, Int8Linear)
+        quantized = quantize(rows, layer.weight_scale.dtype, layer.group_size)
+        _fill_int8(model, place, quantized.q, quantized.scale, filled)
     else:
-        q = _rows(f, name, place)
-    _fill_int8(model, place, q, None, filled)
+        q = quant_checkpoint.unpack_int8(rows, columns) if part == "packed" else rows
+        _fill_int8(model, place, q, None, filled)
 
 
 def _place(

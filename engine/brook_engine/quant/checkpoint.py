@@ -33,8 +33,13 @@ QUANT_METHOD = "compressed-tensors"
 READ_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
 WRITE_FORMAT = "pack-quantized"
 FORMAT_VERSION = "0.20.1"  # the compressed-tensors release whose format Brook writes
-#: checkpoint tensor suffixes of a quantized layer, and what each becomes
-SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
+#: the tensors of a quantized layer, by suffix, and which part of its weight each is
+PARTS = {
+    "weight_packed": "packed",
+    "weight_scale": "scale",
+    "weight_shape": "shape",
+    "weight_zero_point": "zero_point",
+}
 
 
 @dataclass(frozen=True)

@@ -36,12 +36,14 @@ def isa_limit() -> int:
 @dataclass(frozen=True)
 class TiledWeight:
     """What Brook's kernel reads: the int8 weight in tiles of 16 output channels (flat,
-    ``out`` rounded up to 16) and the scales as float32 [groups, out rounded up to 16]."""
+    ``out`` rounded up to 16), the scales as float32 [groups, out rounded up to 16] and
+    the bias as float32."""
 
     packed: torch.Tensor
     scales: torch.Tensor
     out_features: int
     in_features: int
+    bias: torch.Tensor | None = None  # float32, converted once here rather than per product
 
     @property
     def group_size(self) -> int:
@@ -49,7 +51,8 @@ class TiledWeight:
 
     @property
     def nbytes(self) -> int:
-        return self.packed.numel() + self.scales.numel() * 4
+        bias = 0 if self.bias is None else self.bias.numel() * 4
+        return self.packed.numel() + self.scales.numel() * 4 + bias
 
     def int8(self) -> torch.Tensor:
         """The plain int8 [out, in] weight back."""
@@ -58,9 +61,11 @@ class TiledWeight:
         return plain[: self.out_features].contiguous()
 
 
-def tile(q: torch.Tensor, scale: torch.Tensor) -> TiledWeight | None:
-    """The tiled copy of int8 ``q`` [out, in] with ``scale`` [out, groups], or None where
-    Brook's kernels do not run."""
+def tile(
+    q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> TiledWeight | None:
+    """The tiled copy of int8 ``q`` [out, in] with ``scale`` [out, groups] and ``bias``
+    [out], or None where Brook's kernels do not run."""
     lib = cpu_kernels.library()
     if lib is None or q.device.type != "cpu":
         return None
@@ -70,10 +75,11 @@ def tile(q: torch.Tensor, scale: torch.Tensor) -> TiledWeight | None:
     lib.brook_int8_pack(q.contiguous().data_ptr(), packed.data_ptr(), out, inn)
     scales = torch.zeros(scale.shape[1], padded, dtype=torch.float32)
     scales[:, :out] = scale.float().t()
-    return TiledWeight(packed, scales, out, inn)
+    bias_f32 = None if bias is None else bias.detach().float().contiguous().clone()
+    return TiledWeight(packed, scales, out, inn, bias_f32)
 
 
-def tiled_linear(x: torch.Tensor, tiled: TiledWeight, bias: torch.Tensor | None) -> torch.Tensor:
+def tiled_linear(x: torch.Tensor, tiled: TiledWeight) -> torch.Tensor:
     """``x @ W.T + bias`` for x [rows, in] with Brook's kernel; float32 sums, one rounding
     to ``x``'s dtype."""
     lib = cpu_kernels.library()
@@ -82,12 +88,11 @@ def tiled_linear(x: torch.Tensor, tiled: TiledWeight, bias: torch.Tensor | None)
     source = (x if kind is not None else x.float()).contiguous()
     rows = source.shape[0]
     out = torch.empty(rows, tiled.out_features, dtype=source.dtype)
-    bias_f32 = None if bias is None else bias.float().contiguous()  # a view when float32
     lib.brook_int8_matmul(
         source.data_ptr(),
         tiled.packed.data_ptr(),
         tiled.scales.data_ptr(),
-        None if bias_f32 is None else bias_f32.data_ptr(),
+        None if tiled.bias is None else tiled.bias.data_ptr(),
         out.data_ptr(),
         rows,
         tiled.out_features,

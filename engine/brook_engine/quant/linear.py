@@ -89,7 +89,7 @@ class Int8Linear(nn.Module):
         and float32 scales)."""
         if self.tiled is not None or self.weight.device.type != "cpu":
             return 0
-        tiled = cpu_int8.tile(self.weight.detach(), self.weight_scale.detach())
+        tiled = cpu_int8.tile(self.weight.detach(), self.weight_scale.detach(), self.bias)
         if tiled is None:
             return 0
         self.tiled = tiled
@@ -109,7 +109,7 @@ def int8_product(
     device = x.device.type
     if device == "cpu":
         if tiled is not None:
-            return cpu_int8.tiled_linear(x, tiled, bias)
+            return cpu_int8.tiled_linear(x, tiled)  # the tiled copy holds the bias
         return cpu_int8.plain_linear(x, q, scale, bias)
     if device == "npu":
         return npu_int8.int8_linear(x, q, scale, bias)
@@ -124,23 +124,20 @@ class QuantizedHead(nn.Module):
     def __init__(self, weight: torch.Tensor, group_size: int | None = None) -> None:
         super().__init__()
         quantized = quantize(weight.detach(), group_size=group_size)
-        self.q: torch.Tensor | None = quantized.q
         self.scale = quantized.scale
         self.tiled = cpu_int8.tile(quantized.q, quantized.scale)
-        if self.tiled is not None:
-            self.q = None  # the tiled copy replaces it
+        # the tiled copy replaces the plain weight, as in ``Int8Linear``
+        self.q = quantized.q if self.tiled is None else torch.empty(0, dtype=torch.int8)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        q = self.q if self.q is not None else torch.empty(0, dtype=torch.int8)
-        return int8_product(hidden, q, self.scale, None, self.tiled)
+        return int8_product(hidden, self.q, self.scale, None, self.tiled)
 
     def dequantized(self) -> torch.Tensor:
         """The float head this copy multiplies by, in the model dtype."""
-        q = self.q if self.q is not None else self.tiled.int8()  # type: ignore[union-attr]
+        q = self.q if self.tiled is None else self.tiled.int8()
         return dequantize(q, self.scale, self.scale.dtype)
 
     def nbytes(self) -> int:
         if self.tiled is not None:
             return self.tiled.nbytes
-        assert self.q is not None
         return self.q.numel() + self.scale.numel() * self.scale.element_size()

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from brook_engine import LLM, SamplingParams
+from support.greedy_reference import hf_greedy, random_prompts
 
 ARCHS = ["llama", "qwen2", "mistral"]
 EXACT_KV = {
@@ -26,24 +27,6 @@ def _reference(folder: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
-def _prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-def _hf_greedy(model: Any, prompt: list[int], new: int) -> list[int]:
-    """Greedy decoding with the reference model, EOS included (no generate() logit rules)."""
-    out: list[int] = []
-    with torch.no_grad():
-        step = model(torch.tensor([prompt]), use_cache=True)
-        for _ in range(new):
-            out.append(int(step.logits[0, -1].argmax()))
-            step = model(
-                torch.tensor([[out[-1]]]), past_key_values=step.past_key_values, use_cache=True
-            )
-    return out
-
-
 def _llm(folder: Path, **options: Any) -> LLM:
     kv = {**EXACT_KV, **options.pop("kv_cache", {})}
     return LLM(str(folder), dtype="float32", kv_cache=kv, progress=False, **options)
@@ -54,7 +37,7 @@ def test_prefill_logits_match(arch: str, make_tiny_model: Callable[..., Path]) -
     folder = make_tiny_model(arch)
     reference = _reference(folder)
     llm = _llm(folder, kv_cache={"num_blocks": 64, "block_size": 8})
-    for prompt in _prompts(reference.config.vocab_size, [1, 7, 40]):
+    for prompt in random_prompts(reference.config.vocab_size, [1, 7, 40]):
         with torch.no_grad():
             expected = reference(torch.tensor([prompt])).logits[0]
         got = llm.engine.prompt_logits(prompt)
@@ -69,9 +52,9 @@ def test_single_request_greedy_is_identical(
     reference = _reference(folder)
     llm = _llm(folder, kv_cache={"num_blocks": 64, "block_size": 8})
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    for prompt in _prompts(reference.config.vocab_size, [5, 30], seed=1):
+    for prompt in random_prompts(reference.config.vocab_size, [5, 30], seed=1):
         [out] = llm.generate([prompt], params, use_tqdm=False)
-        assert out.outputs[0].token_ids == _hf_greedy(reference, prompt, 32)
+        assert out.outputs[0].token_ids == hf_greedy(reference, prompt, 32)
         assert out.outputs[0].finish_reason == "length"
 
 
@@ -90,12 +73,12 @@ def test_mixed_batch_with_chunked_prefill_and_preemption(
         max_num_seqs=8,
         max_model_len=96,
     )
-    prompts = _prompts(reference.config.vocab_size, [3, 38, 11, 25, 1, 17], seed=2)
+    prompts = random_prompts(reference.config.vocab_size, [3, 38, 11, 25, 1, 17], seed=2)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions_total > 0
     for prompt, out in zip(prompts, outputs, strict=True):
         assert out.prompt_token_ids == prompt
-        assert out.outputs[0].token_ids == _hf_greedy(reference, prompt, 32)
+        assert out.outputs[0].token_ids == hf_greedy(reference, prompt, 32)
     llm.engine.block_manager.check_invariants()
     assert llm.engine.block_manager.num_free_blocks == 14

@@ -19,6 +19,7 @@ from brook_engine.config import ConfigError
 from brook_engine.quant import cpu_int8
 from brook_engine.quant.linear import Int8Linear, int8_product
 from brook_engine.quant.quantize import Q_MAX, Q_MIN, quantize
+from support.greedy_reference import hf_greedy, random_prompts
 
 ARCHS = ["llama", "qwen2", "mistral"]
 EXACT_KV = {
@@ -41,23 +42,6 @@ def dequantized_reference(folder: Path, group_size: int | None = None) -> Any:
         head = quantize(model.lm_head.weight, group_size=group_size).dequantize()
         model.lm_head.weight = torch.nn.Parameter(head)  # unties a tied head
     return model
-
-
-def _prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-def _hf_greedy(model: Any, prompt: list[int], new: int) -> list[int]:
-    out: list[int] = []
-    with torch.no_grad():
-        step = model(torch.tensor([prompt]), use_cache=True)
-        for _ in range(new):
-            out.append(int(step.logits[0, -1].argmax()))
-            step = model(
-                torch.tensor([[out[-1]]]), past_key_values=step.past_key_values, use_cache=True
-            )
-    return out
 
 
 def _llm(folder: Path | str, **options: Any) -> LLM:
@@ -159,12 +143,12 @@ def test_greedy_tokens_equal_transformers_with_the_dequantized_weights(
     )
     assert any(isinstance(m, Int8Linear) for m in llm.engine.runner.model.modules())
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    for prompt in _prompts(reference.config.vocab_size, [5, 30], seed=1):
+    for prompt in random_prompts(reference.config.vocab_size, [5, 30], seed=1):
         with torch.no_grad():
             expected = reference(torch.tensor([prompt])).logits[0]
         torch.testing.assert_close(llm.engine.prompt_logits(prompt), expected, rtol=1e-4, atol=1e-4)
         [out] = llm.generate([prompt], params, use_tqdm=False)
-        assert out.outputs[0].token_ids == _hf_greedy(reference, prompt, 32)
+        assert out.outputs[0].token_ids == hf_greedy(reference, prompt, 32)
 
 
 def test_mixed_batch_with_chunked_prefill_and_preemption(
@@ -179,12 +163,12 @@ def test_mixed_batch_with_chunked_prefill_and_preemption(
         max_num_seqs=8,
         max_model_len=96,
     )
-    prompts = _prompts(reference.config.vocab_size, [3, 38, 11, 25, 1, 17], seed=2)
+    prompts = random_prompts(reference.config.vocab_size, [3, 38, 11, 25, 1, 17], seed=2)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions_total > 0
     for prompt, out in zip(prompts, outputs, strict=True):
-        assert out.outputs[0].token_ids == _hf_greedy(reference, prompt, 32)
+        assert out.outputs[0].token_ids == hf_greedy(reference, prompt, 32)
 
 
 def test_bfloat16_w8a16_follows_the_dequantized_model(
@@ -195,7 +179,7 @@ def test_bfloat16_w8a16_follows_the_dequantized_model(
     folder = make_tiny_model("llama")
     reference = dequantized_reference(folder).to(torch.bfloat16)
     llm = _llm(folder, dtype="bfloat16", kv_cache={"num_blocks": 64, "block_size": 8})
-    prompt = _prompts(320, [24], seed=4)[0]
+    prompt = random_prompts(320, [24], seed=4)[0]
     with torch.no_grad():
         expected = reference(torch.tensor([prompt])).logits[0].float()
     got = llm.engine.prompt_logits(prompt)
