@@ -43,9 +43,10 @@ def _add_engine_flags(parser: argparse.ArgumentParser, model_required: bool = Tr
         "--one-row-weights",
         choices=["model", "bf16", "fp16"],
         default=None,
-        help="shapes.oneRowWeights: bf16 (AVX512-BF16 CPUs) or fp16 keeps a copy of a "
-        "bfloat16 model's weights on CPU for single-sequence decode steps (faster there, the "
-        "weights' memory once more)",
+        help="shapes.oneRowWeights: bf16 or fp16 keeps a plain copy of a bfloat16 model's "
+        "packed weights on CPU for Brook's one-row kernel in single-sequence decode steps "
+        "(faster there, the weights' memory once more; CPUs without native BF16 read the "
+        "plain weights anyway)",
     )
     parser.add_argument(
         "--quantization", choices=["none", "w8a16"], default=None, help=_QUANTIZATION_HELP
@@ -183,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("batch", "single", "serve"),
         default="batch",
         help="batch: all requests at once; single: one at a time; serve: offline API vs the "
-        "HTTP server at --concurrency streams (serving overhead)",
+        "HTTP server at --concurrency streams (serving overhead), or with --compare vllm: "
+        "vLLM's serving benchmark client against brook-engine serve and vllm serve in turn",
     )
     bench.add_argument(
         "--workload",

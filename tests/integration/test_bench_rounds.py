@@ -9,8 +9,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from brook_engine.bench.command import median_round
+from brook_engine.bench.machine import VECTOR_FLAGS, _products, model_product_rate
 from brook_engine.bench.run import BenchReport
 from brook_engine.cli import main
 
@@ -53,3 +55,42 @@ def test_rounds_below_one_are_refused(
     model = str(make_tiny_model("llama"))
     assert main(["bench", "--model", model, "--rounds", "0"]) == 2
     assert "--rounds 0: use 1 or more" in capsys.readouterr().err
+
+
+def test_every_report_names_the_cpu_and_the_model_products_rate(
+    make_tiny_model: Callable[..., Path],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = str(make_tiny_model("llama"))
+    args = ["bench", "--model", model, "--dtype", "float32", "--num-requests", "3"]
+    args += ["--input-len", "8", "--output-len", "4"]
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    machine = out["machine"]
+    assert machine["cpu"] and machine["threads"] >= 1 and machine["brook_cpu_isa"] == "native"
+    assert set(machine["vector_flags"]) <= set(VECTOR_FLAGS)
+    extra = out["brook"]["extra"]
+    assert extra["products_rows"] == 3 and extra["products_gflops"] > 0
+    # The same tokens over the same time: the two utilizations differ by their denominators.
+    assert extra["mfu_products"] == pytest.approx(
+        out["brook"]["mfu"] * extra["gemm_gflops"] / extra["products_gflops"]
+    )
+    monkeypatch.setenv("BROOK_CPU_ISA", "avx2")
+    assert main([*args, "--mode", "single"]) == 0
+    text = capsys.readouterr().out
+    assert f"CPU: {machine['cpu']} (" in text and "BROOK_CPU_ISA=avx2" in text
+    assert "of the model's own products at 1 rows" in text
+
+
+def test_the_model_products_rate_counts_every_linear_layer_and_the_head(
+    make_tiny_model: Callable[..., Path],
+) -> None:
+    from brook_engine import LLM
+
+    llm = LLM(str(make_tiny_model("llama")), dtype="float32", max_model_len=64, progress=False)
+    model = llm.engine.runner.model
+    products = _products(model)
+    layers = len(model.model.layers)
+    assert len(products) == 4 * layers + 1  # qkv, o, gate_up, down per layer; the head
+    assert model_product_rate(model, rows=2, dtype=torch.float32) > 0

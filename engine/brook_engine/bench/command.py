@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 
 from brook_engine.bench.gemm import measure_gemm_flops
+from brook_engine.bench.machine import machine_info, machine_line, model_product_rate
 from brook_engine.bench.run import BenchReport, run_engine
 from brook_engine.bench.workload import Workload, random_workload_for
 from brook_engine.core.llm_engine import LLMEngine
@@ -41,6 +43,14 @@ def bench(args: argparse.Namespace, options: dict[str, Any]) -> int:
     if args.workload != "random":
         return _bench_kv(args, options)
     if args.mode == "serve":
+        served_peers = {p.strip() for p in args.compare.split(",") if p.strip()}
+        if served_peers - {"vllm"}:
+            print("error: --mode serve compares with vllm only", file=sys.stderr)
+            return 2
+        if served_peers:
+            from brook_engine.bench.served_compare import compare_served
+
+            return compare_served(args)
         return _bench_serving(args, options)
     rounds = args.rounds
     if rounds < 1:
@@ -71,13 +81,32 @@ def bench(args: argparse.Namespace, options: dict[str, Any]) -> int:
                     continue
                 try:
                     python = ensure_vllm_venv() if peer == "vllm" else Path(sys.executable)
-                    peer_report = _peer_report(run_peer(peer, spec, python=python), args.mode)
+                    result = run_peer(peer, spec, python=python, env=_uncapped_env())
+                    peer_report = _peer_report(result, args.mode)
                     runs.setdefault(peer, []).append(peer_report)
                 except PeerError as exc:
                     failed.add(peer)
                     print(f"peer {peer} failed: {exc}", file=sys.stderr)
     _print([median_round(r) for r in runs.values()], args.json)
     return 1 if failed else 0
+
+
+# Variables that make this CPU run smaller vector paths (BROOK_CPU_ISA for Brook's kernels,
+# the others for oneDNN's and ATen's): Brook runs under them, the peers never do — vLLM's
+# BF16 path aborts without AVX-512 — so a capped comparison is one against the peers at
+# their best.
+CPU_CAP_VARIABLES = ("BROOK_CPU_ISA", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+
+
+def _uncapped_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in CPU_CAP_VARIABLES}
+
+
+def _caps_line() -> str | None:
+    caps = [f"{k}={os.environ[k]}" for k in CPU_CAP_VARIABLES if os.environ.get(k)]
+    if not caps:
+        return None
+    return f"Brook ran capped ({', '.join(caps)}); the peers ran without the caps"
 
 
 def _brook_round(args: argparse.Namespace, options: dict[str, Any]) -> tuple[BenchReport, Workload]:
@@ -88,10 +117,21 @@ def _brook_round(args: argparse.Namespace, options: dict[str, Any]) -> tuple[Ben
     workload = random_workload_for(args, engine)
     report = run_engine(engine, workload, args.mode, progress=not args.json)
     gemm = measure_gemm_flops(dtype=engine.runner.dtype)
+    # The stable denominator: the model's own products at the decode batch the workload
+    # runs at, measured now (the large-GEMM figure drifts with what the kernel keeps in cache).
+    rows = 1 if args.mode == "single" else min(len(workload.prompts), config.scheduler.max_num_seqs)
+    products = model_product_rate(engine.runner.model, rows, engine.runner.dtype)
     params = sum(p.numel() for p in engine.runner.model.parameters())
     tokens = report.prompt_tokens + report.output_tokens
     report.mfu = 2 * params * tokens / report.elapsed_s / gemm
-    report.extra.update(gemm_gflops=gemm / 1e9, parameters=params, threads=torch.get_num_threads())
+    report.extra.update(
+        gemm_gflops=gemm / 1e9,
+        parameters=params,
+        threads=torch.get_num_threads(),
+        products_gflops=products / 1e9,
+        products_rows=rows,
+        mfu_products=2 * params * tokens / report.elapsed_s / products,
+    )
     report.extra["dtype"] = str(engine.runner.dtype).removeprefix("torch.")
     return report, workload
 
@@ -117,7 +157,11 @@ def _bench_kv(args: argparse.Namespace, options: dict[str, Any]) -> int:
     }[args.workload]
     result = run(args.model, options, args.num_requests, args.seed, not args.json)
     if args.json:
-        out = {"reports": [r.as_dict() for r in result.reports], "summary": result.summary}
+        out = {
+            "machine": machine_info(),
+            "reports": [r.as_dict() for r in result.reports],
+            "summary": result.summary,
+        }
         print(json.dumps(out, indent=2, default=str))
         return 0
     if result.reports:
@@ -131,6 +175,7 @@ def _bench_kv(args: argparse.Namespace, options: dict[str, Any]) -> int:
         print()
     for key, value in result.summary.items():
         print(f"{key}: {value:.3f}" if isinstance(value, float) else f"{key}: {value}")
+    print(machine_line())
     return 0
 
 
@@ -151,7 +196,12 @@ def _bench_serving(args: argparse.Namespace, options: dict[str, Any]) -> int:
     http = run_http(config, workload, args.concurrency, progress=not args.json)
     overhead = 1 - http.output_tok_s / offline.output_tok_s
     if args.json:
-        out = {"offline": offline.as_dict(), "http": http.as_dict(), "overhead": overhead}
+        out = {
+            "machine": machine_info(),
+            "offline": offline.as_dict(),
+            "http": http.as_dict(),
+            "overhead": overhead,
+        }
         print(json.dumps(out, indent=2, default=str))
         return 0
     header = " | ".join(name for name, _ in _COLUMNS)
@@ -163,6 +213,7 @@ def _bench_serving(args: argparse.Namespace, options: dict[str, Any]) -> int:
         f"\n{http.requests} requests at {args.concurrency} at a time; serving overhead "
         f"{overhead:.1%} (1 - HTTP output tok/s ÷ offline output tok/s)"
     )
+    print(machine_line())
     return 0
 
 
@@ -183,7 +234,12 @@ def _peer_report(result: dict[str, Any], mode: str) -> BenchReport:
 def _print(reports: list[BenchReport], as_json: bool) -> None:
     brook = reports[0]
     if as_json:
-        out = {"brook": brook.as_dict(), "peers": [r.as_dict() for r in reports[1:]]}
+        out = {
+            "machine": machine_info(),
+            "peers_uncapped": _caps_line() is not None and len(reports) > 1,
+            "brook": brook.as_dict(),
+            "peers": [r.as_dict() for r in reports[1:]],
+        }
         out["ratios"] = {
             r.engine: {"output_tok_s": brook.output_tok_s / r.output_tok_s} for r in reports[1:]
         }
@@ -207,6 +263,12 @@ def _print(reports: list[BenchReport], as_json: bool) -> None:
         f"\n{brook.requests} requests, {brook.prompt_tokens} prompt + {brook.output_tokens} "
         f"output tokens in {brook.elapsed_s:.1f} s; MFU {brook.mfu:.2f} "
         f"(2 × {brook.extra['parameters'] / 1e6:.1f} M params × tokens / "
-        f"{brook.extra['gemm_gflops']:.1f} GFLOP/s measured GEMM); preemptions "
-        f"{brook.extra['preemptions']}"
+        f"{brook.extra['gemm_gflops']:.1f} GFLOP/s measured GEMM); MFU "
+        f"{brook.extra['mfu_products']:.2f} of the model's own products at "
+        f"{brook.extra['products_rows']} rows ({brook.extra['products_gflops']:.1f} GFLOP/s, "
+        f"measured after the run); preemptions {brook.extra['preemptions']}"
     )
+    print(machine_line())
+    caps = _caps_line()
+    if caps is not None and len(reports) > 1:
+        print(caps)

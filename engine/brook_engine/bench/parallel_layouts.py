@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from brook_engine.bench.machine import machine_info, machine_line
 from brook_engine.bench.run import run_engine
 from brook_engine.bench.workload import Workload, random_workload_for
 from brook_engine.core.llm_engine import LLMEngine
@@ -167,7 +168,9 @@ def bench_parallel(args: Any, options: dict[str, Any]) -> int:
         "overlap_async_m8_one_step": overlap("PP=2 1 step m=8"),
     }
     if args.json:
-        print(json.dumps({"rows": [row.__dict__ for row in rows], "summary": summary}, indent=2))
+        rows_out = [row.__dict__ for row in rows]
+        out = {"machine": machine_info(), "rows": rows_out, "summary": summary}
+        print(json.dumps(out, indent=2))
         return 0
     header = (
         f"{'layout':<26}{'total tok/s':>12}{'overlap':>9}{'exposed s':>10}{'bubble':>8}"
@@ -188,6 +191,7 @@ def bench_parallel(args: Any, options: dict[str, Any]) -> int:
         f"{_f(summary['tp_scaling_efficiency'])}, interleaved "
         f"{_f(summary['tp_scaling_efficiency_interleaved'])} ({per_device} thread(s) per device)"
     )
+    print(machine_line())
     return 0
 
 

@@ -52,11 +52,12 @@ class ShapesConfig(Section):
 
     one_row_weights: Literal["model", "bf16", "fp16"] = "model"
     """Weights a product with one row reads (every layer of a step decoding one sequence;
-    the LM head over one sampled row). On CPU, with a bfloat16 model, a copy of every linear
-    layer for them, for the weights' memory once more: bf16, a plain copy read by Brook's
-    AVX512-BF16 kernel at about twice the rate of the packed weights (the model's values
-    exactly; needs AVX512-BF16); fp16, an FP16 copy for PyTorch's FP16 kernel (for CPUs
-    without AVX512-BF16). Ignored elsewhere."""
+    the LM head over one sampled row). On CPU, with a bfloat16 model whose weights are packed
+    for batches (CPUs with native BF16 products), a plain copy of every linear layer for
+    Brook's one-row kernel, at about 1.5x the rate of the packed weights, for the weights'
+    memory once more: bf16, the model's values exactly; fp16, an FP16 copy (the same bytes).
+    Where BF16 weights stay plain (CPUs without native BF16), the kernel reads them as they
+    are and a bf16 copy costs nothing. Ignored elsewhere."""
 
 
 class MoEConfig(Section):

@@ -46,10 +46,18 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    cache.write(meta.slot_mapping, k, v)
+    if not cpu_decode.store(cache, meta.slot_mapping, k, v):
+        cache.write(meta.slot_mapping, k, v)
     q = cache.query(q)  # what scores the stored keys (INT8 stores them turned and scaled)
-    out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
+    if meta.num_decodes == q.shape[0] and meta.decode_lens is not None:  # decodes alone
+        assert meta.decode_blocks is not None
+        fused = cpu_decode.decode_attention(
+            q, cache, meta.decode_blocks, meta.decode_lens, scale, meta.sliding_window
+        )
+        if fused is not None:
+            return cache.output(fused.to(q.dtype))
+    out = torch.empty_like(q)
     if meta.num_decodes:
         assert meta.decode_blocks is not None and meta.decode_bias is not None
         n = meta.num_decodes

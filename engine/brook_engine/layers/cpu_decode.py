@@ -40,6 +40,45 @@ def _lut(dtype: torch.dtype) -> torch.Tensor:
     return table
 
 
+def store(cache: LayerKVCache, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """``cache.write(slots, k, v)`` by the C kernel where the cache holds k and v as they are
+    (their own type, no shift, scales or INT8 encoding): a memcpy per token and head instead
+    of two ``index_copy_`` calls. False, with nothing written, where it does not apply."""
+    library = cpu_kernels.library()
+    if (
+        library is None
+        or cache.k_shift is not None
+        or cache.int8 is not None
+        or cache.k_scale is not None
+        or k.dtype != cache.k.dtype
+        or v.dtype != k.dtype
+        or k.device.type != "cpu"
+        or slots.dtype != torch.int64
+        or not slots.is_contiguous()
+    ):
+        return False
+    tokens, kv_heads, dim = k.shape
+    stride = k.stride()
+    if stride != v.stride() or stride[1:] != (dim, 1) or v.shape != k.shape:
+        return False
+    status = library.brook_kv_store(
+        k.data_ptr(),
+        v.data_ptr(),
+        cache.k.data_ptr(),
+        cache.v.data_ptr(),
+        slots.data_ptr(),
+        tokens,
+        kv_heads,
+        dim,
+        stride[0],
+        cache.k.shape[1],
+        k.element_size(),
+    )
+    if status != 0:
+        raise IndexError(f"KV store: a slot outside the cache's {cache.k.shape[1]} slots")
+    return True
+
+
 def decode_attention(
     q: torch.Tensor,  # [decodes, heads, head_dim], as ``cache.query`` returns it
     cache: LayerKVCache,

@@ -5,8 +5,8 @@ RMSNorm alone is six of them, rotary embedding seven, each a few microseconds of
 for a few hundred numbers. The C kernels of ``csrc/fused_ops.c`` do each step in one pass
 over the rows, rounding where the PyTorch sequence rounds (to the model's 16-bit type after
 every operation PyTorch runs in it), so the two agree up to the order of a sum. The one-row
-BF16 product (``csrc/one_row_bf16.c``) reads a plain BF16 weight at about twice the rate
-PyTorch's kernels do for a single row.
+product (``csrc/one_row.c``) streams a plain BF16 or FP16 weight for a single row at up to
+twice the rate PyTorch's kernels do, with AVX512-BF16, AVX-512, AVX2 and C paths.
 
 Every function takes the kernel where it can (a CPU tensor of float32, bfloat16 or float16,
 the C kernels built: ``cpu_kernels``) and otherwise runs the portable sequence, which is
@@ -16,6 +16,7 @@ what accelerators and ``BROOK_CPU_KERNELS=off`` run.
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -102,42 +103,64 @@ def rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotated: int
     return qkv[:, :rotated]
 
 
-_bf16_support: tuple[ctypes.CDLL | None, bool] | None = None
+ONE_ROW_WEIGHTS = {torch.bfloat16: 1, torch.float16: 2}  # the weight types the kernel reads
+_isa_cache: dict[tuple[int, int, int], int] = {}
+_isa_lib: ctypes.CDLL | None = None
+_one_row_fn: Any = None  # the library's brook_one_row, looked up once per library
 
 
-def one_row_bf16_supported() -> bool:
-    """Whether the one-row BF16 kernel runs here (an AVX512-BF16 CPU, the kernels built)."""
-    global _bf16_support
+def one_row_path(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> int | None:
+    """The path the one-row kernel takes for these types here (3 AVX512-BF16, 2 AVX-512,
+    1 AVX2, 0 C; capped by ``BROOK_CPU_ISA``), None where it does not run."""
+    global _isa_lib, _one_row_fn
     lib = cpu_kernels.library()
-    if _bf16_support is None or _bf16_support[0] is not lib:
-        found = lib is not None and hasattr(lib, "brook_one_row_bf16_supported")
-        _bf16_support = (lib, found and bool(lib.brook_one_row_bf16_supported()))  # type: ignore[union-attr]
-    return _bf16_support[1]
+    if lib is None or x_dtype not in _KINDS or weight_dtype not in ONE_ROW_WEIGHTS:
+        return None
+    if _isa_lib is not lib:
+        _isa_cache.clear()
+        _isa_lib = lib
+        _one_row_fn = getattr(lib, "brook_one_row", None)
+    if _one_row_fn is None:
+        return None
+    key = (cpu_kernels.isa_limit(), _KINDS[x_dtype], ONE_ROW_WEIGHTS[weight_dtype])
+    isa = _isa_cache.get(key)
+    if isa is None:
+        isa = _isa_cache[key] = int(lib.brook_one_row_isa(*key))
+    return isa
 
 
-def one_row_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for one BF16 row x [1, in] and a plain BF16 weight
-    [out, in], by the C kernel where it runs (else by ``F.linear``)."""
-    operands = (x, weight) if bias is None else (x, weight, bias)
-    shaped = (
-        x.dtype == torch.bfloat16
-        and x.shape[0] == 1
-        and weight.dim() == 2
-        and x.shape[-1] == weight.shape[1]
-        and (bias is None or bias.shape == (weight.shape[0],))
-    )
-    lib = _kernels(*operands) if shaped else None
-    if lib is None or not one_row_bf16_supported():
-        return F.linear(x, weight, bias)
+def one_row(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """``F.linear(x, weight, bias)`` in x's type for one row x [1, in] (float32, bfloat16 or
+    float16) and a plain BF16 or FP16 weight [out, in], by the C kernel: the weight widened
+    in registers, float32 sums, one rounding to x's type. None where the kernel does not
+    run (the caller takes its own path). Called ~120 times a step: the checks are few."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[0] != 1:
+        return None
     out_features, in_features = weight.shape
-    out = torch.empty((1, out_features), dtype=torch.bfloat16)
-    lib.brook_one_row_bf16(
+    if x.shape[1] != in_features or x.device.type != "cpu" or weight.device.type != "cpu":
+        return None
+    if weight.is_mkldnn or not (x.is_contiguous() and weight.is_contiguous()):
+        return None
+    if bias is not None and (
+        bias.dtype != x.dtype or bias.shape != (out_features,) or not bias.is_contiguous()
+    ):
+        return None
+    isa = one_row_path(x.dtype, weight.dtype)
+    if isa is None:
+        return None
+    out = torch.empty((1, out_features), dtype=x.dtype)
+    failed = _one_row_fn(
         x.data_ptr(),
         weight.data_ptr(),
         None if bias is None else bias.data_ptr(),
         out.data_ptr(),
         out_features,
         in_features,
+        _KINDS[x.dtype],
+        ONE_ROW_WEIGHTS[weight.dtype],
+        isa,
         torch.get_num_threads(),
     )
-    return out
+    return None if failed else out

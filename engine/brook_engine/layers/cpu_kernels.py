@@ -1,16 +1,22 @@
 """Brook's C kernels for CPU, built into one shared library and loaded with ctypes.
 
 The sources in ``csrc/`` (decode attention over the paged cache, the fused element-wise
-steps of a decoder layer, the one-row BF16 product, the int8-weight product of W8A16) are
-compiled together at first use with the machine's ``cc`` (``-O3 -march=native -fopenmp``, a
-few seconds) into a cache directory
-keyed by the sources, the compiler and the CPU. The OpenMP runtime the library links against
+steps of a decoder layer, the one-row product of a 16-bit weight, the int8-weight product of
+W8A16) are compiled together at first use with the machine's ``cc`` (``-O3 -march=native
+-fopenmp``, a few seconds) into a cache directory keyed by the sources, the compiler and the
+CPU. The OpenMP runtime the library links against
 is the one torch has already loaded, so the two never keep rival thread pools. Where no
 compiler is installed (the engine image), a copy built for a baseline CPU when the package
 was installed (``python -m brook_engine.layers.cpu_kernels --prebuild``) is loaded if this
 CPU has what it was built for. Without either, or with ``BROOK_CPU_KERNELS=off`` (which also
 keeps linear weights plain), every caller runs its portable PyTorch path and the reason is
 logged once.
+
+``BROOK_CPU_ISA`` (``c``, ``avx2``, ``avx512``, ``avx512bf16``; default: the best the CPU has)
+caps the vector path every kernel takes, so one machine measures and tests what a smaller
+CPU runs. Set before the process starts, ``avx2`` and ``c`` also build the library for that
+baseline (``-march=x86-64-v3``, ``-march=x86-64``) instead of this CPU, so the generic C
+kernels (decode attention, fused steps) are compiled as they would be there.
 """
 
 from __future__ import annotations
@@ -32,12 +38,13 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES: tuple[Path, ...] = (
     _CSRC / "paged_decode.c",
     _CSRC / "fused_ops.c",
-    _CSRC / "one_row_bf16.c",
+    _CSRC / "one_row.c",
     _CSRC / "int8_matmul.c",
+    _CSRC / "decode_layer.c",
 )
 # What is tried when everything does not build: a compiler without AVX512-BF16 intrinsics
 # (gcc < 9) still gets decode attention and the fused steps.
-_OPTIONAL = frozenset({"one_row_bf16.c"})
+_OPTIONAL = frozenset({"one_row.c", "decode_layer.c"})  # the second calls the first
 # No -ffast-math: the kernels write out the one function (exp) that needed it to vectorize.
 _FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")
 # A copy built ahead for any CPU of a baseline: its flags and the CPU features it needs.
@@ -45,6 +52,11 @@ _BASELINES: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "x86_64": (("-march=x86-64-v3",), frozenset({"avx2", "fma", "f16c", "bmi2"})),
     "aarch64": ((), frozenset()),
 }
+
+# BROOK_CPU_ISA: the paths' numbers in the C kernels, and the build baseline a cap implies.
+ISA_LEVELS = {"c": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3}
+_CAPPED_ARCH = {"c": ("-march=x86-64",), "avx2": ("-march=x86-64-v3",)}
+_NATIVE = max(ISA_LEVELS.values())
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -70,6 +82,36 @@ def library() -> ctypes.CDLL | None:
     return _library
 
 
+_isa_seen: tuple[str | None, str] = (None, "native")  # the variable's value, its name
+
+
+def isa_name() -> str:
+    """``BROOK_CPU_ISA`` as given (lower case), ``native`` when unset; an unknown value is
+    an error naming the choices. (Read on every product: tests change it between calls.)"""
+    global _isa_seen
+    raw = os.environ.get("BROOK_CPU_ISA")
+    if raw is None:
+        return "native"
+    if raw == _isa_seen[0]:
+        return _isa_seen[1]
+    name = raw.strip().lower() or "native"
+    if name != "native" and name not in ISA_LEVELS:
+        choices = ", ".join((*ISA_LEVELS, "native"))
+        raise ValueError(f"BROOK_CPU_ISA={name!r} is not one of {choices}")
+    _isa_seen = (raw, name)
+    return name
+
+
+def isa_limit() -> int:
+    """The best vector path the kernels may take (``BROOK_CPU_ISA``); each kernel takes the
+    best its CPU has up to this."""
+    return ISA_LEVELS.get(isa_name(), _NATIVE)
+
+
+def _native_arch() -> tuple[str, ...]:
+    return _CAPPED_ARCH.get(isa_name(), ("-march=native",))
+
+
 def _build_and_open() -> ctypes.CDLL | None:
     if os.environ.get("BROOK_CPU_KERNELS", "").lower() == "off":
         logger.info("CPU kernels: portable paths (BROOK_CPU_KERNELS=off)")
@@ -89,7 +131,7 @@ def _build_and_open() -> ctypes.CDLL | None:
     attempts = [
         (arch, paths)
         for paths in (_SOURCES, required)
-        for arch in (("-march=native",), ())  # -march=native is unknown to some compilers
+        for arch in (_native_arch(), ())  # -march=native is unknown to some compilers
     ]
     for arch, paths in attempts:
         flags = (*_FLAGS, *arch)
@@ -150,15 +192,18 @@ def _declare(opened: ctypes.CDLL) -> None:
         # q, k, v, k_scale, v_scale, tables, lens, out, decodes, heads, kv_heads, dim,
         # slots, block_size, width, window, kind, lut, scale, threads
         "brook_paged_decode": (i32, [p] * 8 + [i64] * 8 + [i32, p, f32, i32]),
+        # k, v, k_cache, v_cache, slots, tokens, kv_heads, dim, token_stride, slots, item
+        "brook_kv_store": (i32, [p] * 5 + [i64] * 6),
         # x, delta, weight, out, residual, rows, hidden, eps, kind, threads
         "brook_add_rms_norm": (None, [p] * 5 + [i64, i64, f32, i32, i32]),
         # gate_up, out, rows, inter, kind, threads
         "brook_silu_mul": (None, [p, p, i64, i64, i32, i32]),
         # x, cos, sin, tokens, heads, rotated, dim, kind, threads
         "brook_rotary": (None, [p, p, p, i64, i64, i64, i64, i32, i32]),
-        "brook_one_row_bf16_supported": (i32, []),
-        # x, weight, bias, out, out_features, in_features, threads
-        "brook_one_row_bf16": (None, [p, p, p, p, i64, i64, i32]),
+        # limit, x kind, weight kind
+        "brook_one_row_isa": (i32, [i32, i32, i32]),
+        # x, weight, bias, out, out_features, in_features, x kind, weight kind, isa, threads
+        "brook_one_row": (i32, [p, p, p, p, i64, i64, i32, i32, i32, i32]),
         # q, packed, out_features, in_features
         "brook_int8_pack": (None, [p, p, i64, i64]),
         "brook_int8_isa": (i32, [i32]),
@@ -187,8 +232,8 @@ def cpu_features() -> frozenset[str]:
 def prebuild() -> Path:
     """Build the baseline copy next to the sources (at image build time, where a compiler
     is installed and the CPU that will run it is not known). Kernels that need more than
-    the baseline (AVX512-BF16) are compiled for their own target and check the CPU before
-    they run."""
+    the baseline (AVX-512, AVX512-BF16) are compiled for their own target and check the CPU
+    before they run."""
     baseline = _BASELINES.get(platform.machine())
     if baseline is None:
         raise RuntimeError(f"no baseline CPU is defined for {platform.machine()}")

@@ -10,21 +10,23 @@ shared (an LM head tied to the embedding keeps the table and gains a packed copy
 differ from ``F.linear``'s by float rounding of the sums' order. ``BROOK_CPU_KERNELS=off``
 keeps the plain weights.
 
-**One-row copies.** A step with a single token row — one sequence decoding — multiplies
+**One-row products.** A step with a single token row — one sequence decoding — multiplies
 one row by every weight matrix: a pure stream of the weights from memory, where oneDNN's and
-PyTorch's kernels for a BF16 model reach about half the machine's memory rate. Larger
-products (prefill, batched decode) are what the packed layout is for, so a faster one-row
-path needs a second copy of the weights, in the layout a one-row kernel reads best:
+PyTorch's kernels for a 16-bit model reach about half the machine's memory rate. Brook's
+one-row kernel (``cpu_fused.one_row``: AVX512-BF16, AVX-512, AVX2 + FMA and C paths; each
+weight widened to float32 in registers, float32 sums, one rounding to the model's type, as
+PyTorch's product) reads a plain BF16 or FP16 weight. It reads the model's own weight where
+that is plain: BF16 models on CPUs without native BF16 products (no packing there), FP16
+models, a tied LM head's embedding table. Where BF16 weights are packed (AVX512-BF16 CPUs),
+batches want the packed layout, so the fast one-row path needs a second copy:
 
-- ``shapes.oneRowWeights: bf16``: a plain copy of the model's BF16 weights, read by Brook's
-  AVX512-BF16 kernel (``cpu_fused.one_row_bf16``: float32 sums, one rounding to BF16, as
-  PyTorch's product). The model's own values, so nothing can overflow. A tied LM head reads
-  the embedding table itself (no copy). Needs a CPU with AVX512-BF16.
-- ``shapes.oneRowWeights: fp16``: an FP16 copy for PyTorch's FP16 matrix-vector kernel, which
-  reads FP16 2-2.5x faster than its BF16 path on CPUs without AVX512-BF16 support in the
-  kernel. BF16 values convert to FP16 exactly (FP16 has 10 mantissa bits to BF16's 7) from
-  6.1e-5 up to 65,504; smaller weights and activations lose bits, and a product whose input
-  or output leaves FP16's range is recomputed with the model's weights.
+- ``shapes.oneRowWeights: bf16``: a plain copy of the model's BF16 weights. The model's own
+  values, so nothing can overflow. A tied LM head reads the embedding table itself.
+- ``shapes.oneRowWeights: fp16``: an FP16 copy, the same bytes. BF16 values convert to FP16
+  exactly (FP16 has 10 mantissa bits to BF16's 7) from 6.1e-5 up to 65,504; smaller weights
+  lose bits, and a matrix with a weight beyond FP16's range keeps no copy. Without Brook's
+  kernels the copy goes through PyTorch's FP16 product, and a product whose input or
+  output leaves FP16's range is recomputed with the model's weights.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from brook_engine.layers import cpu_fused
+from brook_engine.layers import cpu_fused, cpu_kernels
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +61,20 @@ def one_row_linear(
     bias: torch.Tensor | None,
     one_row: torch.Tensor | None,
 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` (``weight`` plain or packed), through ``one_row`` (a plain
-    BF16 or FP16 copy of the weight) when ``x`` is a single row; a product that overflows FP16
-    is recomputed with ``weight`` (the check sums one output row, a few microseconds next to
-    reading the matrix)."""
-    if one_row is None or x.shape[0] != 1:
+    """``F.linear(x, weight, bias)`` (``weight`` plain or packed). A single row goes through
+    Brook's one-row kernel when it can read a plain 16-bit weight: ``one_row`` (a BF16 or
+    FP16 copy) or ``weight`` itself. Without the kernel an FP16 copy goes through PyTorch's
+    FP16 product, and one that overflows FP16 is recomputed with ``weight`` (the check sums
+    one output row, a few microseconds next to reading the matrix)."""
+    if x.shape[0] != 1:
         return product(x, weight, bias)
-    if one_row.dtype == torch.bfloat16:
-        return cpu_fused.one_row_bf16(x.contiguous(), one_row, bias)
+    plain = one_row if one_row is not None else weight
+    if not plain.is_mkldnn and plain.dtype in cpu_fused.ONE_ROW_WEIGHTS:
+        y = cpu_fused.one_row(x.contiguous(), plain, bias)
+        if y is not None:
+            return y
+    if one_row is None or one_row.dtype != torch.float16:
+        return product(x, weight, bias)
     y = F.linear(x.to(one_row.dtype), one_row)
     if not math.isfinite(float(y.sum(dtype=torch.float32))):
         global _overflow_logged
@@ -101,15 +109,17 @@ def dense(weight: torch.Tensor) -> torch.Tensor:
 
 def cpu_packing_supported(dtype: torch.dtype) -> bool:
     """Whether weights of ``dtype`` get packed on this CPU: float32 wherever oneDNN is
-    built in, bfloat16 where the CPU multiplies it natively (otherwise oneDNN emulates it),
-    nothing with ``BROOK_CPU_KERNELS=off``."""
+    built in, bfloat16 where the CPU multiplies it natively (otherwise oneDNN emulates it,
+    and one row reads the plain weight faster), nothing with ``BROOK_CPU_KERNELS=off``."""
     if os.environ.get("BROOK_CPU_KERNELS", "").lower() == "off":
         return False
     if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return False
     if dtype == torch.float32:
         return True
-    return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype != torch.bfloat16 or cpu_kernels.isa_limit() < cpu_kernels.ISA_LEVELS["avx512bf16"]:
+        return False  # BROOK_CPU_ISA below avx512bf16 measures a CPU without native BF16
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def pack_cpu_weights(model: nn.Module) -> int:
@@ -143,7 +153,8 @@ def pack_cpu_weights(model: nn.Module) -> int:
 def keep_one_row_copies(model: nn.Module, dtype: torch.dtype) -> int:
     """Give every ``Linear`` and LM head of ``model`` a plain copy of its weight in ``dtype``
     (a weight that is plain in that dtype already, such as a tied head's embedding table, is
-    used as it is); returns the bytes the copies take."""
+    used as it is; a matrix whose values leave ``dtype``'s range gets none); returns the
+    bytes the copies take."""
     added = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
@@ -151,6 +162,14 @@ def keep_one_row_copies(model: nn.Module, dtype: torch.dtype) -> int:
             plain = weight.detach()
             if plain.is_mkldnn or plain.dtype != dtype or not plain.is_contiguous():
                 plain = dense(plain).to(dtype).contiguous()
+                if not bool(plain.isfinite().all()):
+                    log.warning(
+                        "a %s weight leaves %s's range: it keeps no one-row copy",
+                        tuple(plain.shape),
+                        str(dtype).removeprefix("torch."),
+                    )
+                    setattr(module, "one_row", None)  # noqa: B010 (an attribute, not a module)
+                    continue
                 added += plain.numel() * plain.element_size()
             module.one_row = plain
     return added

@@ -90,7 +90,7 @@ class VocabParallelEmbedding(_VocabSlice):
 class VocabParallelHead(_VocabSlice):
     """The LM head over this rank's vocabulary slice; ``logits`` gathers the full row."""
 
-    one_row: torch.Tensor | None = None  # FP16 copy for one-row products (layers.linear)
+    one_row: torch.Tensor | None = None  # 16-bit copy for one-row products (layers.linear)
     packed: torch.Tensor | None = None  # packed copy of a tied table (layers.linear)
 
     def __init__(self, *args: object, **kwargs: object) -> None:
@@ -105,7 +105,11 @@ class VocabParallelHead(_VocabSlice):
             logits = self.quantized(hidden)
         else:
             weight = self.weight if self.packed is None else self.packed
-            logits = one_row_linear(hidden, weight, None, self.one_row)
+            # A tied head's table is plain beside its packed copy: one row reads the table.
+            one_row = self.one_row
+            if one_row is None and self.packed is not None:
+                one_row = self.weight
+            logits = one_row_linear(hidden, weight, None, one_row)
         if self.comm is None:
             return logits
         return self.comm.all_gather_last_dim(logits)[:, : self.vocab_size]

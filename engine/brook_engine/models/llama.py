@@ -29,6 +29,7 @@ from brook_engine.layers.tensor_parallel import (
     VocabParallelHead,
 )
 from brook_engine.models.arch import ModelArch
+from brook_engine.models.decode_row import RowDecoding
 from brook_engine.quant.linear import W8A16, Int8Linear, QuantizedHead
 
 #: cos and sin of the step's positions, [tokens, 1, head_dim] each
@@ -217,6 +218,7 @@ class CausalLM(nn.Module):
             else None
         )
         self.tie_embeddings()
+        self.row_decoding = RowDecoding()
 
     def tie_embeddings(self) -> None:
         """Share the embedding with the LM head when the model ties them and this rank
@@ -238,8 +240,11 @@ class CausalLM(nn.Module):
         x = embed(inputs) if embed is not None else inputs  # [tokens, hidden]
         cos_sin = rotary.lookup(positions)
         delta: torch.Tensor | None = None
+        # One token of one sequence on CPU: a layer per kernel call where it can (decode_row).
+        row = self.row_decoding.begin(x, meta, cos_sin)
         for layer, cache in zip(self.model.layers, caches, strict=True):
-            x, delta = layer(x, delta, cos_sin, cache, meta)
+            done = row.layer(layer, cache, x, delta) if row is not None else None
+            x, delta = done if done is not None else layer(x, delta, cos_sin, cache, meta)
         norm = self.model.norm
         if norm is not None:
             return norm.add_norm(x, delta)[0]

@@ -125,7 +125,7 @@ def add_one_row_copies(
     model: CausalLM, choice: str, dtype: torch.dtype, device: torch.device
 ) -> int | None:
     """``shapes.oneRowWeights``: copies of the weights for one-row products, where they
-    apply (a bfloat16 model on CPU; BF16 copies need the AVX512-BF16 kernel). Returns the
+    apply (a bfloat16 model on CPU; BF16 copies need Brook's one-row kernel). Returns the
     bytes they take, or None where none are kept."""
     if choice == "model":
         return None
@@ -137,10 +137,9 @@ def add_one_row_copies(
             str(dtype).removeprefix("torch."),
         )
         return None
-    if choice == "bf16" and not cpu_fused.one_row_bf16_supported():
+    if choice == "bf16" and cpu_fused.one_row_path(dtype, torch.bfloat16) is None:
         log.warning(
-            "shapes.oneRowWeights bf16 needs a CPU with AVX512-BF16 and Brook's CPU "
-            "kernels (see the log above); ignored, use fp16 on this CPU"
+            "shapes.oneRowWeights bf16 needs Brook's CPU kernels (see the log above); ignored"
         )
         return None
     return keep_one_row_copies(model, torch.bfloat16 if choice == "bf16" else torch.float16)

@@ -13,7 +13,6 @@ Figures in docs/quantization.md.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -24,13 +23,11 @@ from brook_engine.quant.quantize import dequantize
 
 TILE = 16  # output channels per tile of the packed layout
 
-_ISA_NAMES = {"c": 0, "avx2": 1, "avx512": 2}
-
 
 def isa_limit() -> int:
-    """``BROOK_INT8_ISA`` (c, avx2 or avx512): the best path the kernel may take, so tests
-    run every path on one machine; by default the best the CPU has."""
-    return _ISA_NAMES.get(os.environ.get("BROOK_INT8_ISA", "avx512").lower(), 2)
+    """The best path the kernel may take (``BROOK_CPU_ISA``: c, avx2 or avx512), so tests run
+    every path on one machine; by default the best the CPU has."""
+    return min(cpu_kernels.isa_limit(), 2)
 
 
 @dataclass(frozen=True)

@@ -98,7 +98,7 @@ def test_without_the_kernels_the_portable_sequences_run(monkeypatch: pytest.Monk
     assert torch.equal(normed, _portable_norm(x + x, weight, 1e-5))
     gate_up = torch.randn(2, 8)
     assert torch.equal(cpu_fused.silu_mul(gate_up), F.silu(gate_up[:, :4]) * gate_up[:, 4:])
-    assert not cpu_fused.one_row_bf16_supported()
+    assert cpu_fused.one_row_path(torch.bfloat16, torch.bfloat16) is None
     qkv = torch.randn(3, 4, 8)
     cos, sin = torch.rand(3, 1, 8), torch.rand(3, 1, 8)
     before = qkv.clone()
@@ -106,7 +106,7 @@ def test_without_the_kernels_the_portable_sequences_run(monkeypatch: pytest.Monk
     assert torch.equal(got, apply_rotary(before[:, :3], cos, sin))
     assert torch.equal(qkv, before)  # the portable path makes a new tensor, no copy back
     row, weight = torch.randn(1, 16).bfloat16(), torch.randn(4, 16).bfloat16()
-    assert torch.equal(cpu_fused.one_row_bf16(row, weight, None), F.linear(row, weight))
+    assert cpu_fused.one_row(row, weight, None) is None  # the caller takes its own path
 
 
 def test_non_contiguous_or_other_dtypes_take_the_portable_path() -> None:
@@ -120,45 +120,75 @@ def test_non_contiguous_or_other_dtypes_take_the_portable_path() -> None:
     assert torch.equal(normed, _portable_norm(wide, torch.ones(32), 1e-5))
 
 
-bf16_kernel = pytest.mark.skipif(
-    not cpu_fused.one_row_bf16_supported(), reason="this CPU has no AVX512-BF16"
-)
+ONE_ROW_PATHS = {"c": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3}
 
 
-@bf16_kernel
+@pytest.fixture(params=list(ONE_ROW_PATHS))
+def one_row_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each path of the one-row kernel that this CPU runs (BROOK_CPU_ISA caps it; the library
+    is loaded first, as the cap at build time would also pick its baseline)."""
+    if cpu_kernels.library() is None:
+        pytest.skip("Brook's CPU kernels did not build here")
+    monkeypatch.setenv("BROOK_CPU_ISA", request.param)
+    wanted = ONE_ROW_PATHS[request.param]
+    if cpu_fused.one_row_path(torch.bfloat16, torch.bfloat16) != wanted:
+        pytest.skip(f"this CPU has no {request.param} path")
+    return str(request.param)
+
+
 @pytest.mark.parametrize(
     ("out_features", "in_features"),
-    [(960, 576), (13, 40), (7, 32), (64, 1536), (1, 5)],  # odd rows, tails shorter than 32
+    [(960, 576), (13, 40), (7, 32), (64, 1536), (1, 5), (9, 33)],  # odd rows, short tails
 )
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_the_one_row_bf16_product_matches_float64(
-    out_features: int, in_features: int, with_bias: bool
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_the_one_row_product_matches_float64_on_every_path(
+    one_row_isa: str,
+    out_features: int,
+    in_features: int,
+    with_bias: bool,
+    weight_dtype: torch.dtype,
+    x_dtype: torch.dtype,
 ) -> None:
     gen = torch.Generator().manual_seed(out_features)
-    weight = (torch.randn(out_features, in_features, generator=gen) / 8).bfloat16()
-    bias = torch.randn(out_features, generator=gen).bfloat16() if with_bias else None
-    row = torch.randn(1, in_features, generator=gen).bfloat16()
-    got = cpu_fused.one_row_bf16(row, weight, bias)
+    weight = (torch.randn(out_features, in_features, generator=gen) / 8).to(weight_dtype)
+    bias = torch.randn(out_features, generator=gen).to(x_dtype) if with_bias else None
+    row = torch.randn(1, in_features, generator=gen).to(x_dtype)
+    got = cpu_fused.one_row(row, weight, bias)
+    assert got is not None
     exact = F.linear(row.double(), weight.double(), None if bias is None else bias.double())
-    assert got.dtype == torch.bfloat16 and got.shape == (1, out_features)
-    # Float32 sums rounded once to BF16: within half a BF16 unit of the exact value (plus
-    # float32 summation error), never worse than PyTorch's own BF16 product.
+    assert got.dtype == x_dtype and got.shape == (1, out_features)
+    # Float32 sums rounded once to x's type: within half a unit of that type of the exact
+    # value (plus float32 summation error), never worse than PyTorch's own product.
+    unit = {torch.bfloat16: 2**-8, torch.float16: 2**-11, torch.float32: 2**-20}[x_dtype]
     error = (got.double() - exact).abs()
-    assert bool((error <= exact.abs() * 2**-8 + 1e-5).all()), float(error.max())
-    plain = F.linear(row, weight, bias)
-    assert float(error.norm()) <= float((plain.double() - exact).norm()) * 1.05 + 1e-6
+    assert bool((error <= exact.abs() * unit + 1e-5).all()), float(error.max())
+    plain = F.linear(row, weight.to(x_dtype), bias)  # PyTorch's product in x's type
+    assert float(error.norm()) <= float((plain.double() - exact).norm()) * 1.05 + 1e-5
 
 
-def test_a_misshapen_one_row_product_is_left_to_torch_and_its_error() -> None:
-    with pytest.raises(RuntimeError):
-        cpu_fused.one_row_bf16(torch.ones(1, 16).bfloat16(), torch.ones(4, 32).bfloat16(), None)
+def test_a_misshapen_or_float32_one_row_product_is_declined() -> None:
+    weight = torch.ones(4, 32).bfloat16()
+    assert cpu_fused.one_row(torch.ones(1, 16).bfloat16(), weight, None) is None
+    assert cpu_fused.one_row(torch.ones(2, 32).bfloat16(), weight, None) is None
+    assert cpu_fused.one_row(torch.ones(1, 32), torch.ones(4, 32), None) is None  # 16-bit only
 
 
-@bf16_kernel
-def test_the_one_row_bf16_product_keeps_nan_and_infinity() -> None:
+def test_the_one_row_product_keeps_nan_and_infinity(one_row_isa: str) -> None:
     weight = torch.ones(16, 32).bfloat16()
     row = torch.ones(1, 32).bfloat16()
     row[0, 3] = float("nan")
-    assert cpu_fused.one_row_bf16(row, weight, None).isnan().all()
+    got = cpu_fused.one_row(row, weight, None)
+    assert got is not None and got.isnan().all()
     huge = torch.full((1, 32), 3e38).bfloat16()
-    assert cpu_fused.one_row_bf16(huge, weight, None).isinf().all()
+    got = cpu_fused.one_row(huge, weight, None)
+    assert got is not None and got.isinf().all()
+
+
+def test_an_unknown_isa_cap_is_an_error_naming_the_choices(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("BROOK_CPU_ISA", "sse9")
+    with pytest.raises(ValueError, match="BROOK_CPU_ISA='sse9' is not one of c, avx2"):
+        cpu_kernels.isa_limit()

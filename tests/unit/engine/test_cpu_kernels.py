@@ -96,6 +96,33 @@ def test_the_decode_kernel_matches_the_portable_path(
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the kernel cannot build")
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("kind", ["auto", "int8"])
+def test_one_long_sequence_split_between_threads_matches_the_portable_path(
+    threads: int, kind: KVDType, fresh_kernel: None
+) -> None:
+    """One sequence decoding has as many (sequence, KV head) pairs as KV heads, fewer than
+    the threads want: its context is split into parts whose softmax sums are merged."""
+    kv_heads, heads, dim, block_size = 3, 9, 64, 16
+    cache = _cache(kind, torch.float32, kv_heads, heads, dim, block_size)
+    gen = torch.Generator().manual_seed(3)
+    tables = torch.randperm(64, generator=gen)[:40].view(1, 40)
+    q = cache.query(torch.randn(1, heads, dim, generator=gen))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for length, window in ((600, None), (600, 100), (70, None), (640, 639)):
+            lens = torch.tensor([length])
+            got = cpu_decode.decode_attention(q, cache, tables, lens, dim**-0.5, window)
+            assert got is not None
+            expected = _portable(q, cache, tables, lens, dim**-0.5, window)
+            tolerance = 1e-3 if kind == "int8" else 1e-5
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=tolerance)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the kernel cannot build")
 @pytest.mark.parametrize("rising", [True, False])
 def test_the_running_softmax_holds_when_the_largest_score_moves(
     rising: bool, fresh_kernel: None
@@ -180,15 +207,16 @@ def test_an_optional_kernel_that_fails_to_build_leaves_the_others(
     fresh_kernel: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """A compiler without AVX512-BF16 intrinsics still builds decode attention and the fused
-    steps; the one-row BF16 kernel is then reported missing (its option warns and is off)."""
-    broken = tmp_path / "one_row_bf16.c"
+    steps; the one-row kernel is then reported missing (its option warns and is off)."""
+    broken = tmp_path / "one_row.c"
     broken.write_text("#error this compiler has no AVX512-BF16 intrinsics\n")
     sources = tuple(p for p in cpu_kernels._SOURCES if p.name != broken.name)
     monkeypatch.setattr(cpu_kernels, "_SOURCES", (*sources, broken))
     assert cpu_kernels.enabled() and cpu_decode.kernel_enabled()
-    assert not cpu_fused.one_row_bf16_supported()
+    assert cpu_fused.one_row_path(torch.bfloat16, torch.bfloat16) is None
     row, weight = torch.randn(1, 16).bfloat16(), torch.randn(4, 16).bfloat16()
-    assert torch.equal(cpu_fused.one_row_bf16(row, weight, None), F.linear(row, weight))
+    assert cpu_fused.one_row(row, weight, None) is None
+    assert torch.equal(linear.one_row_linear(row, weight, None, None), F.linear(row, weight))
 
 
 @pytest.mark.skipif(
@@ -279,17 +307,35 @@ def test_a_prebuilt_kernel_serves_where_no_compiler_is(
     assert got is not None
     expected = _portable(q, cache, tables, lens, 0.125, None)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-3)
-    # The fused steps come from the same library (the one-row BF16 kernel checks the CPU).
+    # The fused steps and the one-row product come from the same library.
     gate_up = torch.randn(3, 64).bfloat16()
     expected_act = F.silu(gate_up[:, :32]) * gate_up[:, 32:]
     torch.testing.assert_close(cpu_fused.silu_mul(gate_up), expected_act, rtol=8e-3, atol=8e-3)
-    if cpu_fused.one_row_bf16_supported():
-        weight, row = torch.randn(24, 40).bfloat16(), torch.randn(1, 40).bfloat16()
-        expected_row = F.linear(row.float(), weight.float()).bfloat16()
-        torch.testing.assert_close(
-            cpu_fused.one_row_bf16(row, weight, None), expected_row, rtol=8e-3, atol=8e-3
-        )
+    weight, row = torch.randn(24, 40).bfloat16(), torch.randn(1, 40).bfloat16()
+    expected_row = F.linear(row.float(), weight.float()).bfloat16()
+    got_row = cpu_fused.one_row(row, weight, None)  # its paths above the baseline check the CPU
+    assert got_row is not None
+    torch.testing.assert_close(got_row, expected_row, rtol=8e-3, atol=8e-3)
 
     monkeypatch.setattr(cpu_kernels, "_tried", False)
     monkeypatch.setattr(cpu_kernels, "cpu_features", lambda: frozenset())
     assert not cpu_decode.kernel_enabled()
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the kernel cannot build")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_kv_store_kernel_writes_what_the_cache_writes(dtype: torch.dtype) -> None:
+    kv_heads, heads, dim = 2, 6, 64
+    stored = LayerKVCache.allocate(8, 4, kv_heads, dim, "auto", dtype, torch.device("cpu"))
+    written = LayerKVCache.allocate(8, 4, kv_heads, dim, "auto", dtype, torch.device("cpu"))
+    qkv = torch.randn(3, heads + 2 * kv_heads, dim).to(dtype)  # keys and values are views
+    k, v = qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    slots = torch.tensor([5, 0, 31])
+    assert cpu_decode.store(stored, slots, k, v)
+    written.write(slots, k, v)
+    assert torch.equal(stored.k, written.k) and torch.equal(stored.v, written.v)
+    with pytest.raises(IndexError, match="outside the cache's 32 slots"):
+        cpu_decode.store(stored, torch.tensor([32]), k[:1], v[:1])
+    # A cache that encodes what it stores is left to its own write.
+    fp8 = LayerKVCache.allocate(8, 4, kv_heads, dim, "fp8_e4m3", dtype, torch.device("cpu"))
+    assert not cpu_decode.store(fp8, slots, k, v)

@@ -1,6 +1,7 @@
-"""Copies of the weights for one-row products (``shapes.oneRowWeights``, BF16 for Brook's
-AVX512-BF16 kernel or FP16 for PyTorch's): the copy is used for a single row and only then,
-it is at least as exact as the packed BF16 product, a product that overflows FP16 is
+"""Copies of the weights for one-row products (``shapes.oneRowWeights``: BF16 or FP16, read
+by Brook's one-row kernel; FP16 by PyTorch's product where the kernels do not run): the copy
+is used for a single row and only then, it is at least as exact as the packed BF16 product,
+a weight beyond FP16's range keeps no copy, a PyTorch FP16 product that overflows is
 recomputed with the model's weights, and the option is ignored where it does not apply."""
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from brook_engine import LLM
-from brook_engine.layers import cpu_fused
+from brook_engine.layers import cpu_fused, linear
 from brook_engine.layers.linear import dense, keep_one_row_copies, one_row_linear
+from brook_engine.models import decode_row
 
 EXACT_KV = {
     "num_blocks": 32,
@@ -25,7 +27,18 @@ EXACT_KV = {
 }
 
 
-def test_one_row_products_use_the_copy_and_lose_nothing_against_bf16() -> None:
+def _without_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_fused, "one_row", lambda *args: None)
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_one_row_products_use_the_copy_and_lose_nothing_against_bf16(
+    kernel: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    if not kernel:
+        _without_kernels(monkeypatch)
+    elif cpu_fused.one_row_path(torch.bfloat16, torch.float16) is None:
+        pytest.skip("Brook's CPU kernels did not build here")
     gen = torch.Generator().manual_seed(0)
     weight = (torch.randn(256, 128, generator=gen) / 10).to(torch.bfloat16)
     bias = torch.randn(256, generator=gen).to(torch.bfloat16)
@@ -35,17 +48,26 @@ def test_one_row_products_use_the_copy_and_lose_nothing_against_bf16() -> None:
     exact = F.linear(row.double(), weight.double(), bias.double())
     through_copy = one_row_linear(row, weight, bias, copy)
     plain = F.linear(row, weight, bias)
-    assert torch.equal(through_copy, F.linear(row.half(), copy).to(torch.bfloat16) + bias)
+    if not kernel:  # PyTorch's FP16 product, then the bias in BF16
+        assert torch.equal(through_copy, F.linear(row.half(), copy).to(torch.bfloat16) + bias)
     error_copy = float((through_copy.double() - exact).norm())
     error_plain = float((plain.double() - exact).norm())
     assert error_copy <= error_plain * 1.5 + 1e-3
     # More than one row: the model's weights, bit for bit.
     rows = torch.randn(3, 128, generator=gen).to(torch.bfloat16)
     assert torch.equal(one_row_linear(rows, weight, bias, copy), F.linear(rows, weight, bias))
-    # A product beyond FP16's range: recomputed in BF16 (finite there).
+    # A product beyond FP16's range: the kernel sums in float32 and rounds to BF16 once;
+    # PyTorch's FP16 product overflows and is recomputed in BF16 (finite there).
     huge = row * 4e5
     assert not F.linear(huge.half(), copy).isfinite().all()
-    assert torch.equal(one_row_linear(huge, weight, bias, copy), F.linear(huge, weight, bias))
+    monkeypatch.setattr(linear, "_overflow_logged", False)
+    with caplog.at_level(logging.WARNING, logger="brook_engine.layers.linear"):
+        got = one_row_linear(huge, weight, bias, copy)
+    assert got.isfinite().all()
+    recomputed = "a one-row product overflowed FP16" in caplog.text
+    assert recomputed == (not kernel)
+    if not kernel:
+        assert torch.equal(got, F.linear(huge, weight, bias))
 
 
 def _llm(folder: Path, one_row: str) -> LLM:
@@ -60,13 +82,14 @@ def _llm(folder: Path, one_row: str) -> LLM:
 
 
 COPIES = [
-    "fp16",
     pytest.param(
-        "bf16",
+        kind,
         marks=pytest.mark.skipif(
-            not cpu_fused.one_row_bf16_supported(), reason="this CPU has no AVX512-BF16"
+            cpu_fused.one_row_path(torch.bfloat16, torch.bfloat16) is None,
+            reason="Brook's CPU kernels did not build here",
         ),
-    ),
+    )
+    for kind in ("fp16", "bf16")
 ]
 
 
@@ -81,6 +104,7 @@ def test_the_engine_keeps_copies_counts_them_and_decodes_alike(
     folder = make_tiny_model(arch)
     plain, copies = _llm(folder, "model"), _llm(folder, kind)
     assert not plain.engine.runner.one_row_copies and copies.engine.runner.one_row_copies
+    packed = linear.cpu_packing_supported(torch.bfloat16)  # else BF16 weights stay plain
     model = copies.engine.runner.model
     layers = model.model.layers
     products = [layers[0].self_attn.qkv_proj, layers[0].mlp.down_proj, model.lm_head]
@@ -94,63 +118,51 @@ def test_the_engine_keeps_copies_counts_them_and_decodes_alike(
     copied = sum(
         m.weight.numel()
         for m in model.modules()
-        if getattr(m, "one_row", None) is not None and m.one_row.data_ptr() != embed.data_ptr()
+        if getattr(m, "one_row", None) is not None
+        and m.one_row.data_ptr() != embed.data_ptr()
+        and (m.weight.is_mkldnn or m.one_row.data_ptr() != m.weight.data_ptr())
     )
-    assert copied > 0
+    assert copied > 0 if kind == "fp16" or packed else copied == 0  # plain BF16 is read as is
     assert copies.engine.runner.weight_bytes - plain.engine.runner.weight_bytes == 2 * copied
+    # The products one at a time (not a decoder layer per kernel call, models/decode_row).
+    monkeypatch.setattr(decode_row.RowDecoding, "begin", lambda *args: None)
     calls = []
-    if kind == "bf16":  # count the kernel's products: one per linear layer and the head
-        kernel = cpu_fused.one_row_bf16
-        monkeypatch.setattr(
-            cpu_fused, "one_row_bf16", lambda *a: calls.append(a[0].shape) or kernel(*a)
-        )
+    kernel = cpu_fused.one_row  # count the kernel's products: one per linear layer and the head
+    monkeypatch.setattr(cpu_fused, "one_row", lambda *a: calls.append(a[0].shape) or kernel(*a))
     # One row: through the copies, as close to float32 as the BF16 products are.
     reference = LLM(
         str(folder), dtype="float32", max_model_len=128, kv_cache=EXACT_KV, progress=False
     )
     exact = reference.engine.prompt_logits([11])
-    error = {
-        name: float((llm.engine.prompt_logits([11]) - exact).norm())
-        for name, llm in (("plain", plain), ("copies", copies))
-    }
+    error = {"plain": float((plain.engine.prompt_logits([11]) - exact).norm())}
+    calls.clear()  # the plain engine's own plain weights (a tied table) take the kernel too
+    error["copies"] = float((copies.engine.prompt_logits([11]) - exact).norm())
     assert error["copies"] <= 1.5 * error["plain"] + 1e-2, error
-    if kind == "fp16":
-        assert not torch.equal(copies.engine.prompt_logits([11]), plain.engine.prompt_logits([11]))
-    else:
-        assert len(calls) == 4 * len(layers) + 1 and {shape[0] for shape in calls} == {1}
-        calls.clear()
+    assert len(calls) == 4 * len(layers) + 1 and {shape[0] for shape in calls} == {1}
+    calls.clear()
     longer = list(range(5, 25))  # more than one row: the model's weights, bit for bit
     assert torch.equal(copies.engine.prompt_logits(longer), plain.engine.prompt_logits(longer))
     assert not calls
 
 
-def test_an_fp16_overflow_is_recomputed_with_the_model_weights(
-    make_tiny_model: Callable[..., Path],
-    caplog: pytest.LogCaptureFixture,
-    monkeypatch: pytest.MonkeyPatch,
+def test_a_weight_beyond_fp16_keeps_no_copy(
+    make_tiny_model: Callable[..., Path], caplog: pytest.LogCaptureFixture
 ) -> None:
-    from brook_engine.layers import linear
-
-    monkeypatch.setattr(linear, "_overflow_logged", False)
     folder = make_tiny_model("llama")
     plain, copies = _llm(folder, "model"), _llm(folder, "fp16")
-    for llm in (plain, copies):  # products far beyond FP16's 65,504, fine in BF16
+    for llm in (plain, copies):
         down = llm.engine.runner.model.model.layers[0].mlp.down_proj
-        down.weight = nn.Parameter(dense(down.weight) * 1e6, requires_grad=False)
-    keep_one_row_copies(copies.engine.runner.model, torch.float16)
-    down = copies.engine.runner.model.model.layers[0].mlp.down_proj
-    row = torch.ones(1, down.in_features, dtype=torch.bfloat16)
-    assert not F.linear(row.half(), down.one_row).isfinite().all()  # the copy overflows
-    # The overflowing products were recomputed with BF16 weights; the other copies are left
-    # out here so that the whole step is the plain engine's, bit for bit.
-    for module in copies.engine.runner.model.modules():
-        if module is not down and hasattr(module, "one_row"):
-            module.one_row = None
+        weight = dense(down.weight).clone()
+        weight[0, 0] = 1e5  # beyond FP16's 65,504, fine in BF16
+        down.weight = nn.Parameter(weight, requires_grad=False)
     with caplog.at_level(logging.WARNING, logger="brook_engine.layers.linear"):
-        got = copies.engine.prompt_logits([11])
-    assert "a one-row product overflowed FP16" in caplog.text  # the engine's step did
-    assert got.isfinite().all()
-    assert torch.equal(got, plain.engine.prompt_logits([11]))
+        keep_one_row_copies(copies.engine.runner.model, torch.float16)
+    down = copies.engine.runner.model.model.layers[0].mlp.down_proj
+    assert down.one_row is None and "leaves float16's range" in caplog.text
+    for module in copies.engine.runner.model.modules():  # the plain engine's step, exactly
+        if hasattr(module, "one_row"):
+            module.one_row = None
+    assert torch.equal(copies.engine.prompt_logits([11]), plain.engine.prompt_logits([11]))
 
 
 def test_ignored_where_it_does_not_apply(

@@ -16,6 +16,7 @@ import torch
 
 from brook_engine import LLM, SamplingParams
 from brook_engine.config import ConfigError
+from brook_engine.layers import cpu_kernels
 from brook_engine.quant import cpu_int8
 from brook_engine.quant.linear import Int8Linear, int8_product
 from brook_engine.quant.quantize import Q_MAX, Q_MIN, quantize
@@ -53,8 +54,10 @@ def _llm(folder: Path | str, **options: Any) -> LLM:
 
 @pytest.fixture(params=["avx512", "avx2", "c"])
 def kernel_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """Each path of Brook's int8 kernel (a CPU without AVX-512 runs the best it has)."""
-    monkeypatch.setenv("BROOK_INT8_ISA", request.param)
+    """Each path of Brook's int8 kernel (a CPU without AVX-512 runs the best it has). The
+    library is loaded first: the cap set at its build would also pick its baseline."""
+    cpu_kernels.library()
+    monkeypatch.setenv("BROOK_CPU_ISA", request.param)
     yield request.param
 
 

@@ -77,18 +77,19 @@ static inline void prefetch_rows(const void *base, int64_t at, int64_t bytes, in
 /* Keys handled per pass (a larger cache block takes several): bounds the scratch. */
 enum { CHUNK = 32 };
 
-/* One sequence against one KV head: its `group` query heads' outputs, in one pass over the
- * context with a running softmax (flash-decoding style): each chunk of keys is scored, the
- * running maximum moves, earlier sums are rescaled, and the chunk's values are added while
- * its keys are still in cache. Keys and values are read once, block by block, the next
- * block's rows prefetched. `dim` is a constant where the caller passes one (64, 128), so the
- * loops over it unroll and vectorize fully. */
+/* One sequence against one KV head over tokens [first, len) of its context: its `group`
+ * query heads' unnormalized outputs (part_acc [group, dim]), with each head's largest score
+ * (part_max) and sum of exponentials (part_sum), in one pass with a running softmax
+ * (flash-decoding style): each chunk of keys is scored, the running maximum moves, earlier
+ * sums are rescaled, and the chunk's values are added while its keys are still in cache.
+ * Keys and values are read once, block by block, the next block's rows prefetched. `dim`
+ * is a constant where the caller passes one (64, 128), so the loops over it unroll and
+ * vectorize fully. */
 static inline __attribute__((always_inline)) int attend(
     const float *qs, const void *k, const void *v, const float *k_scale, const float *v_scale,
-    const int64_t *table, int64_t len, float *out, int64_t group, const int64_t dim,
-    int64_t head_base, int64_t block_size, int64_t window, int kind, const float *lut,
-    float scale) {
-  const int64_t first = (window > 0 && len > window) ? len - window : 0;
+    const int64_t *table, int64_t first, int64_t len, float *part_acc, float *part_max,
+    float *part_sum, int64_t group, const int64_t dim, int64_t head_base, int64_t block_size,
+    int kind, const float *lut, float scale) {
   const int64_t rows_floats = kind == KIND_F32 ? 0 : 2 * CHUNK * dim;
   /* acc [group, dim], scores [group, CHUNK], the running max and sum per query head, and
    * (for stored types other than float32) a chunk of keys and of values as float32 */
@@ -203,42 +204,115 @@ static inline __attribute__((always_inline)) int attend(
     t += n;
   }
 
-  for (int64_t g = 0; g < group; g++) {
-    const float inv = 1.0f / run_sum[g];
-#pragma omp simd
-    for (int64_t d = 0; d < dim; d++) out[g * dim + d] = acc[g * dim + d] * inv;
-  }
+  memcpy(part_acc, acc, sizeof(float) * (size_t)(group * dim));
+  memcpy(part_max, run_max, sizeof(float) * (size_t)group);
+  memcpy(part_sum, run_sum, sizeof(float) * (size_t)group);
   free(acc);
   return 0;
 }
 
+/* A context shorter than this is never split between threads. */
+enum { MIN_SPLIT = 64 };
+
+/* With few (sequence, KV head) pairs — one sequence decoding has as many as KV heads — the
+ * threads would idle: each pair's context is then split into parts, attended separately,
+ * and the parts' softmax sums merged (exp(max_p - max) rescales each). */
 int brook_paged_decode(const float *q, const void *k, const void *v, const float *k_scale,
                        const float *v_scale, const int64_t *tables, const int64_t *lens,
                        float *out, int64_t decodes, int64_t heads, int64_t kv_heads,
                        int64_t dim, int64_t slots, int64_t block_size, int64_t width,
                        int64_t window, int kind, const float *lut, float scale, int threads) {
   const int64_t group = heads / kv_heads;
+  const int64_t pairs = decodes * kv_heads;
+  int64_t longest = 0;
+  for (int64_t s = 0; s < decodes; s++) longest = lens[s] > longest ? lens[s] : longest;
+  if (window > 0 && longest > window) longest = window;
+  int64_t parts = pairs >= 4 * (int64_t)threads ? 1 : (4 * (int64_t)threads + pairs - 1) / pairs;
+  if (parts > longest / MIN_SPLIT) parts = longest / MIN_SPLIT;
+  if (parts < 1) parts = 1;
+  const int64_t stride = group * (dim + 2); /* one part's acc, max and sum */
+  float *scratch = malloc(sizeof(float) * (size_t)(pairs * parts * stride));
+  if (scratch == NULL) return -1;
   int failed = 0;
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(threads)
-  for (int64_t s = 0; s < decodes; s++) {
-    for (int64_t h = 0; h < kv_heads; h++) {
-      const int64_t at = (s * heads + h * group) * dim;
+  for (int64_t u = 0; u < pairs; u++) {
+    for (int64_t p = 0; p < parts; p++) {
+      const int64_t s = u / kv_heads, h = u % kv_heads;
+      const int64_t len = lens[s];
+      const int64_t start = (window > 0 && len > window) ? len - window : 0;
+      const int64_t first = start + (len - start) * p / parts;
+      const int64_t last = start + (len - start) * (p + 1) / parts;
+      float *part = scratch + (u * parts + p) * stride;
+      float *pmax = part + group * dim, *psum = pmax + group;
+      if (first >= last) { /* an empty part: nothing to merge */
+        for (int64_t g = 0; g < group; g++) pmax[g] = -INFINITY, psum[g] = 0.0f;
+        memset(part, 0, sizeof(float) * (size_t)(group * dim));
+        continue;
+      }
+      const float *qs = q + (s * heads + h * group) * dim;
       const int64_t *table = tables + s * width;
       int status;
       if (dim == 64)
-        status = attend(q + at, k, v, k_scale, v_scale, table, lens[s], out + at, group, 64,
-                        h * slots, block_size, window, kind, lut, scale);
+        status = attend(qs, k, v, k_scale, v_scale, table, first, last, part, pmax, psum,
+                        group, 64, h * slots, block_size, kind, lut, scale);
       else if (dim == 128)
-        status = attend(q + at, k, v, k_scale, v_scale, table, lens[s], out + at, group, 128,
-                        h * slots, block_size, window, kind, lut, scale);
+        status = attend(qs, k, v, k_scale, v_scale, table, first, last, part, pmax, psum,
+                        group, 128, h * slots, block_size, kind, lut, scale);
       else
-        status = attend(q + at, k, v, k_scale, v_scale, table, lens[s], out + at, group, dim,
-                        h * slots, block_size, window, kind, lut, scale);
+        status = attend(qs, k, v, k_scale, v_scale, table, first, last, part, pmax, psum,
+                        group, dim, h * slots, block_size, kind, lut, scale);
       if (status != 0) {
 #pragma omp atomic write
         failed = 1;
       }
     }
   }
+  if (!failed) {
+    for (int64_t u = 0; u < pairs; u++) {
+      const int64_t s = u / kv_heads, h = u % kv_heads;
+      for (int64_t g = 0; g < group; g++) {
+        float peak = -INFINITY, total = 0.0f;
+        for (int64_t p = 0; p < parts; p++) {
+          const float m = scratch[(u * parts + p) * stride + group * dim + g];
+          peak = m > peak ? m : peak;
+        }
+        float *o = out + (s * heads + h * group + g) * dim;
+        memset(o, 0, sizeof(float) * (size_t)dim);
+        for (int64_t p = 0; p < parts; p++) {
+          const float *part = scratch + (u * parts + p) * stride;
+          const float m = part[group * dim + g];
+          if (m == -INFINITY) continue;
+          const float w = parts == 1 ? 1.0f : exp_nonpositive(m - peak);
+          total += part[group * dim + group + g] * w;
+          for (int64_t d = 0; d < dim; d++) o[d] += part[g * dim + d] * w;
+        }
+        const float inv = 1.0f / total;
+        for (int64_t d = 0; d < dim; d++) o[d] *= inv;
+      }
+    }
+  }
+  free(scratch);
   return failed ? -1 : 0;
+}
+
+/* Store new keys and values at their cache slots, as they are (the cache holds the model's
+ * own type): k, v [tokens, kv_heads, dim] with `token_stride` elements between tokens (views
+ * of the projection's output), caches [kv_heads, slots, dim], `item` bytes per element.
+ * A slot outside the cache stores nothing and returns -1 (the caller checks first). */
+int brook_kv_store(const void *k, const void *v, void *k_cache, void *v_cache,
+                   const int64_t *slot_ids, int64_t tokens, int64_t kv_heads, int64_t dim,
+                   int64_t token_stride, int64_t slots, int64_t item) {
+  for (int64_t t = 0; t < tokens; t++)
+    if (slot_ids[t] < 0 || slot_ids[t] >= slots) return -1;
+  const size_t row = (size_t)(dim * item);
+  for (int64_t t = 0; t < tokens; t++) {
+    const int64_t slot = slot_ids[t];
+    for (int64_t h = 0; h < kv_heads; h++) {
+      const int64_t src = (t * token_stride + h * dim) * item;
+      const int64_t dst = ((h * slots + slot) * dim) * item;
+      memcpy((char *)k_cache + dst, (const char *)k + src, row);
+      memcpy((char *)v_cache + dst, (const char *)v + src, row);
+    }
+  }
+  return 0;
 }
