@@ -77,7 +77,7 @@ def _vllm_server(
     python: Path, args: argparse.Namespace, port: int
 ) -> tuple[list[str], dict[str, str]]:
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", args.model]
-    cmd += ["--port", str(port), "--served-model-name", SERVED_NAME, "--disable-log-requests"]
+    cmd += ["--port", str(port), "--served-model-name", SERVED_NAME]
     cmd += ["--dtype", args.dtype or "auto", "--max-model-len", str(args.max_model_len or 2048)]
     env = dict(os.environ)
     cpus = sorted(os.sched_getaffinity(0))
