@@ -48,21 +48,6 @@ typedef struct {
   float *q32, *attn32;
 } brook_row_scratch;
 
-static inline float load_kind(const void *p, int64_t i, int kind) {
-  if (kind == 0) return ((const float *)p)[i];
-  if (kind == 1) return bf16_to_float(((const uint16_t *)p)[i]);
-  return (float)((const _Float16 *)p)[i];
-}
-
-static inline void store_kind(void *p, int64_t i, float v, int kind) {
-  if (kind == 0)
-    ((float *)p)[i] = v;
-  else if (kind == 1)
-    ((uint16_t *)p)[i] = float_to_bf16(v);
-  else
-    ((_Float16 *)p)[i] = (_Float16)v;
-}
-
 /* x [hidden] (the residual stream) and delta [hidden] or NULL (the previous layer's MLP
  * output) in; residual_out = x + delta and delta_out = this layer's MLP output. cos, sin
  * [dim] of the token's position; slot: where its key and value go; table [width] and len:

@@ -25,12 +25,6 @@ enum { F32 = 0, BF16 = 1, F16 = 2 };
  * than it saves (a single decode row is 576-3,072 elements). */
 #define PARALLEL_MIN 32768
 
-static inline float load(const void *base, int64_t i, int kind) {
-  if (kind == F32) return ((const float *)base)[i];
-  if (kind == BF16) return bf16_to_float(((const uint16_t *)base)[i]);
-  return (float)((const _Float16 *)base)[i];
-}
-
 /* f rounded to the storage type (what PyTorch's result in that type holds). */
 static inline float round_to(float f, int kind) {
   if (kind == BF16) return bf16_to_float(float_to_bf16(f));
@@ -38,14 +32,6 @@ static inline float round_to(float f, int kind) {
   return f;
 }
 
-static inline void store(void *base, int64_t i, float f, int kind) {
-  if (kind == F32)
-    ((float *)base)[i] = f;
-  else if (kind == BF16)
-    ((uint16_t *)base)[i] = float_to_bf16(f);
-  else
-    ((_Float16 *)base)[i] = (_Float16)f;
-}
 
 /* exp(x) over the whole float range. Beyond float32's range it returns infinity (as expf
  * does), so that
@@ -70,14 +56,14 @@ void brook_add_rms_norm(const void *x, const void *delta, const void *weight, vo
     if (delta != NULL) {
 #pragma omp simd reduction(+ : sum)
       for (int64_t i = 0; i < hidden; i++) {
-        const float v = round_to(load(x, base + i, kind) + load(delta, base + i, kind), kind);
-        store(residual, base + i, v, kind);
+        const float v = round_to(load_kind(x, base + i, kind) + load_kind(delta, base + i, kind), kind);
+        store_kind(residual, base + i, v, kind);
         sum += v * v;
       }
     } else {
 #pragma omp simd reduction(+ : sum)
       for (int64_t i = 0; i < hidden; i++) {
-        const float v = load(x, base + i, kind);
+        const float v = load_kind(x, base + i, kind);
         sum += v * v;
       }
     }
@@ -85,8 +71,8 @@ void brook_add_rms_norm(const void *x, const void *delta, const void *weight, vo
     const float scale = 1.0f / sqrtf(sum / (float)hidden + eps);
 #pragma omp simd
     for (int64_t i = 0; i < hidden; i++) {
-      const float normed = round_to(load(src, base + i, kind) * scale, kind);
-      store(out, base + i, load(weight, i, kind) * normed, kind);
+      const float normed = round_to(load_kind(src, base + i, kind) * scale, kind);
+      store_kind(out, base + i, load_kind(weight, i, kind) * normed, kind);
     }
   }
 }
@@ -101,9 +87,9 @@ void brook_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter,
     const int64_t in = r * 2 * inter, at = r * inter;
 #pragma omp simd
     for (int64_t i = 0; i < inter; i++) {
-      const float g = load(gate_up, in + i, kind);
+      const float g = load_kind(gate_up, in + i, kind);
       const float silu = round_to(g / (1.0f + exp_any(-g)), kind);
-      store(out, at + i, silu * load(gate_up, in + inter + i, kind), kind);
+      store_kind(out, at + i, silu * load_kind(gate_up, in + inter + i, kind), kind);
     }
   }
 }
@@ -121,13 +107,13 @@ void brook_rotary(void *x, const void *cos, const void *sin, int64_t tokens, int
       const int64_t at = (t * heads + h) * dim, c = t * dim;
 #pragma omp simd
       for (int64_t i = 0; i < half; i++) {
-        const float a = load(x, at + i, kind), b = load(x, at + half + i, kind);
-        const float lo = round_to(a * load(cos, c + i, kind), kind) +
-                         round_to(-b * load(sin, c + i, kind), kind);
-        const float hi = round_to(b * load(cos, c + half + i, kind), kind) +
-                         round_to(a * load(sin, c + half + i, kind), kind);
-        store(x, at + i, lo, kind);
-        store(x, at + half + i, hi, kind);
+        const float a = load_kind(x, at + i, kind), b = load_kind(x, at + half + i, kind);
+        const float lo = round_to(a * load_kind(cos, c + i, kind), kind) +
+                         round_to(-b * load_kind(sin, c + i, kind), kind);
+        const float hi = round_to(b * load_kind(cos, c + half + i, kind), kind) +
+                         round_to(a * load_kind(sin, c + half + i, kind), kind);
+        store_kind(x, at + i, lo, kind);
+        store_kind(x, at + half + i, hi, kind);
       }
     }
   }

@@ -190,12 +190,6 @@ int brook_int8_isa(int limit) {
 
 enum { KIND_F32 = 0, KIND_BF16 = 1 }; /* float16 callers widen in PyTorch */
 
-static void store_kind(void *p, int64_t i, float v, int kind) {
-  if (kind == KIND_F32)
-    ((float *)p)[i] = v;
-  else
-    ((uint16_t *)p)[i] = float_to_bf16(v);
-}
 
 /* out = x @ (q * scale).T + bias for x [rows, in] and out [rows, out_features] of `kind`
  * (float32 or bfloat16), packed q (brook_int8_pack), float32 `scales` [in / group][stride]

@@ -25,6 +25,23 @@ static inline uint16_t float_to_bf16(float f) {
   return (uint16_t)(bits >> 16);
 }
 
+/* Element i of a tensor of type `kind` (0 float32, 1 bfloat16, 2 float16, the kernels'
+ * numbering) as float32, and f stored into one (rounded to nearest even). */
+static inline float load_kind(const void *p, int64_t i, int kind) {
+  if (kind == 0) return ((const float *)p)[i];
+  if (kind == 1) return bf16_to_float(((const uint16_t *)p)[i]);
+  return (float)((const _Float16 *)p)[i];
+}
+
+static inline void store_kind(void *p, int64_t i, float f, int kind) {
+  if (kind == 0)
+    ((float *)p)[i] = f;
+  else if (kind == 1)
+    ((uint16_t *)p)[i] = float_to_bf16(f);
+  else
+    ((_Float16 *)p)[i] = (_Float16)f;
+}
+
 /* exp(x) for x in [-87, 88]: x = k ln2 + r with |r| <= ln2/2, exp(r) by its Taylor
  * polynomial to degree 7 (relative error below 1e-7), 2^k built in the exponent bits. */
 static inline float exp_in_range(float x) {

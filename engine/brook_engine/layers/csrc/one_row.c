@@ -31,21 +31,10 @@ enum { ISA_C = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3 };
 
 #define PASS 8 /* rows per thread share's unit: every path's pass divides it */
 
-static inline float load_kind(const void *p, int64_t i, int kind) {
-  if (kind == KIND_F32) return ((const float *)p)[i];
-  if (kind == KIND_BF16) return bf16_to_float(((const uint16_t *)p)[i]);
-  return (float)((const _Float16 *)p)[i];
-}
-
 /* out[r] = sum (+ bias[r]), rounded once to the output type. */
 static inline void finish(float sum, int64_t r, const void *bias, void *out, int kind) {
   if (bias != NULL) sum += load_kind(bias, r, kind);
-  if (kind == KIND_F32)
-    ((float *)out)[r] = sum;
-  else if (kind == KIND_BF16)
-    ((uint16_t *)out)[r] = float_to_bf16(sum);
-  else
-    ((_Float16 *)out)[r] = (_Float16)sum;
+  store_kind(out, r, sum, kind);
 }
 
 /* x widened to float32, blocks of `block` values reordered evens-then-odds (block 0: as it
