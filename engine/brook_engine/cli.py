@@ -41,12 +41,11 @@ def _add_engine_flags(parser: argparse.ArgumentParser, model_required: bool = Tr
     )
     parser.add_argument(
         "--one-row-weights",
-        choices=["model", "bf16", "fp16"],
+        choices=["model", "fp32", "bf16", "fp16"],
         default=None,
-        help="shapes.oneRowWeights: bf16 or fp16 keeps a plain copy of a bfloat16 model's "
-        "packed weights on CPU for Brook's one-row kernel in single-sequence decode steps "
-        "(faster there, the weights' memory once more; CPUs without native BF16 read the "
-        "plain weights anyway)",
+        help="shapes.oneRowWeights: keep a plain copy of the packed weights on CPU for "
+        "Brook's one-row kernel in single-sequence decode steps (faster there, the weights' "
+        "memory once more): fp32 for a float32 model, bf16 or fp16 for a bfloat16 one",
     )
     parser.add_argument(
         "--quantization", choices=["none", "w8a16"], default=None, help=_QUANTIZATION_HELP

@@ -8,6 +8,7 @@ product of the model once, alone, at one row: what streaming the weights costs, 
 share of the step that is not weight reading.
 
     .venv/bin/python tests/bench/step_profile.py MODEL [--dtype bfloat16] [--one-row-weights bf16]
+        [--quantization w8a16 [--group-size 32]]
 
 The timers cost ~1 µs a call (~0.2 ms of a step): compare the rows of one run, not the
 total with an untimed run.
@@ -39,6 +40,10 @@ try:
     decode_row: Any = importlib.import_module("brook_engine.models.decode_row")
 except ImportError:
     decode_row = None
+try:  # absent before W8A16
+    quant_linear: Any = importlib.import_module("brook_engine.quant.linear")
+except ImportError:
+    quant_linear = None
 
 spent: dict[str, float] = {}
 
@@ -62,6 +67,8 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--one-row-weights", default="model")
+    parser.add_argument("--quantization", choices=["none", "w8a16"], default="none")
+    parser.add_argument("--group-size", type=int, default=None)
     parser.add_argument("--tokens", type=int, default=256)
     args = parser.parse_args()
     options: dict[str, Any] = {
@@ -71,6 +78,8 @@ def main() -> None:
     }
     if args.one_row_weights != "model":
         options["shapes"] = {"one_row_weights": args.one_row_weights}
+    if args.quantization != "none":
+        options["quantization"] = {"weights": args.quantization, "group_size": args.group_size}
     llm = LLM(args.model, **options)
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=0)
     prompt = list(range(100, 132))
@@ -84,6 +93,8 @@ def main() -> None:
     for name in ("add_rms_norm", "silu_mul", "rotary"):
         _timed(cpu_fused, name, "  their fused steps")
     _timed(tensor_parallel, "one_row_linear", "LM head")
+    if quant_linear is not None:
+        _timed(quant_linear.QuantizedHead, "forward", "LM head")
     _timed(sampling, "sample", "sampling")
     _timed(llm_engine.LLMEngine, "step", "step")
     rounds = 3
@@ -95,7 +106,8 @@ def main() -> None:
     step = spent.pop("step")
     print(_cpu())
     print(
-        f"{args.model}, {args.dtype}, oneRowWeights {args.one_row_weights}: "
+        f"{args.model}, {args.dtype}, oneRowWeights {args.one_row_weights}, "
+        f"quantization {args.quantization} (group {args.group_size}): "
         f"{steps / elapsed:.1f} tok/s, {step / steps * 1e3:.2f} ms a step (timed)"
     )
     order = [
@@ -124,11 +136,13 @@ def main() -> None:
 def _products_alone(llm: LLM) -> float:
     """Seconds for every linear layer and the LM head once, at one row, in order (the
     weights stream from memory as in a step): best of five passes."""
-    modules = [
-        m for m in llm.engine.runner.model.modules() if isinstance(m, Linear | VocabParallelHead)
-    ]
+    kinds: tuple[type, ...] = (Linear, VocabParallelHead)
+    if quant_linear is not None:
+        kinds += (quant_linear.Int8Linear,)
+    modules = [m for m in llm.engine.runner.model.modules() if isinstance(m, kinds)]
     dtype = llm.engine.runner.dtype
-    inputs = [torch.randn(1, m.weight.shape[1], dtype=dtype) for m in modules]
+    widths = [getattr(m, "in_features", None) or m.weight.shape[1] for m in modules]
+    inputs = [torch.randn(1, width, dtype=dtype) for width in widths]
     best = float("inf")
     with torch.inference_mode():
         for attempt in range(6):

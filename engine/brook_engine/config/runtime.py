@@ -50,14 +50,16 @@ class ShapesConfig(Section):
     online_learning: bool = False
     """Add buckets for shapes seen in traffic that no registered pattern covers."""
 
-    one_row_weights: Literal["model", "bf16", "fp16"] = "model"
+    one_row_weights: Literal["model", "fp32", "bf16", "fp16"] = "model"
     """Weights a product with one row reads (every layer of a step decoding one sequence;
-    the LM head over one sampled row). On CPU, with a bfloat16 model whose weights are packed
-    for batches (CPUs with native BF16 products), a plain copy of every linear layer for
-    Brook's one-row kernel, at about 1.5x the rate of the packed weights, for the weights'
-    memory once more: bf16, the model's values exactly; fp16, an FP16 copy (the same bytes).
-    Where BF16 weights stay plain (CPUs without native BF16), the kernel reads them as they
-    are and a bf16 copy costs nothing. Ignored elsewhere."""
+    the LM head over one sampled row). On CPU, where the weights are packed for batches
+    (oneDNN), a plain copy of every linear layer for Brook's one-row kernel, which streams
+    it at about 1.2x (float32) to 1.5x (bfloat16) the rate of the packed weights and lets a
+    decoder layer run as one kernel call, for the weights' memory once more: fp32, the
+    values of a float32 model; bf16, the values of a bfloat16 model; fp16, an FP16 copy of
+    a bfloat16 model (the same bytes). Where the weights stay plain (BF16 on CPUs without
+    native BF16), the kernel reads them as they are and a copy costs nothing. A copy of
+    another type than the model's, or on an accelerator, is refused."""
 
 
 class MoEConfig(Section):

@@ -103,7 +103,7 @@ def rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotated: int
     return qkv[:, :rotated]
 
 
-ONE_ROW_WEIGHTS = {torch.bfloat16: 1, torch.float16: 2}  # the weight types the kernel reads
+ONE_ROW_WEIGHTS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # what it reads
 _isa_cache: dict[tuple[int, int, int], int] = {}
 _isa_lib: ctypes.CDLL | None = None
 _one_row_fn: Any = None  # the library's brook_one_row, looked up once per library
@@ -133,8 +133,8 @@ def one_row(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor | None:
     """``F.linear(x, weight, bias)`` in x's type for one row x [1, in] (float32, bfloat16 or
-    float16) and a plain BF16 or FP16 weight [out, in], by the C kernel: the weight widened
-    in registers, float32 sums, one rounding to x's type. None where the kernel does not
+    float16) and a plain FP32, BF16 or FP16 weight [out, in], by the C kernel: the weight
+    widened in registers, float32 sums, one rounding to x's type. None where the kernel does not
     run (the caller takes its own path). Called ~120 times a step: the checks are few."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[0] != 1:
         return None

@@ -209,7 +209,7 @@ def _declare(opened: ctypes.CDLL) -> None:
         "brook_int8_isa": (i32, [i32]),
         # x, packed, scales, bias, out, rows, out_features, in_features, group, kind, isa,
         # threads
-        "brook_int8_matmul": (None, [p] * 5 + [i64] * 4 + [i32, i32, i32]),
+        "brook_int8_matmul": (i32, [p] * 5 + [i64] * 4 + [i32, i32, i32]),
     }
     for name, (restype, argtypes) in signatures.items():
         if not hasattr(opened, name):  # an optional kernel that did not build

@@ -21,16 +21,25 @@ from brook_engine.kv.cache import LayerKVCache
 from brook_engine.layers import cpu_fused, cpu_kernels
 from brook_engine.layers.attention import AttentionMetadata
 from brook_engine.layers.linear import Linear
+from brook_engine.quant import cpu_int8
+from brook_engine.quant.linear import Int8Linear
 
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
 
+class _Product(ctypes.Structure):
+    _fields_ = [("weight", _P), ("bias", _P), ("scales", _P), ("group", _I64), ("kind", _I32)]
+
+
+_INT8 = 3  # the product kind of W8A16's tiled int8 weights (16-bit ones: their _KINDS)
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [
-        *((name, _P) for name in ("input_norm", "post_norm", "qkv", "o", "gate_up", "down")),
-        *((name, _P) for name in ("qkv_bias", "o_bias", "gate_up_bias", "down_bias")),
-        *((name, _I32) for name in ("qkv_kind", "o_kind", "gate_up_kind", "down_kind")),
+        ("input_norm", _P),
+        ("post_norm", _P),
+        *((name, _Product) for name in ("qkv", "o", "gate_up", "down")),
         ("k_cache", _P),
         ("v_cache", _P),
         *((name, _I64) for name in ("hidden", "heads", "kv_heads", "dim", "inter", "slots")),
@@ -56,8 +65,22 @@ def _declare(lib: ctypes.CDLL) -> Any:
     return fn
 
 
-def _plain(linear: object, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """The plain 16-bit weight a one-row product of ``linear`` reads, and its bias."""
+def _product(linear: object, dtype: torch.dtype) -> tuple[_Product, list[torch.Tensor]] | None:
+    """What the kernel reads for ``linear`` (and the tensors it points into): its plain
+    16-bit weight or copy, or W8A16's tiled int8 weight; None where it is neither."""
+    if type(linear) is Int8Linear:
+        tiled = linear.tiled
+        if tiled is None or dtype not in (torch.float32, torch.bfloat16):
+            return None  # float16 activations are widened in PyTorch on the Python path
+        bias = tiled.bias
+        product = _Product(
+            tiled.packed.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            tiled.scales.data_ptr(),
+            tiled.group_size,
+            _INT8,
+        )
+        return product, [t for t in (tiled.packed, tiled.scales, bias) if t is not None]
     if type(linear) is not Linear:
         return None
     weight = linear.one_row if linear.one_row is not None else linear.weight
@@ -68,7 +91,9 @@ def _plain(linear: object, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tens
         return None
     if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
         return None
-    return weight, bias
+    kind = cpu_fused.ONE_ROW_WEIGHTS[weight.dtype]
+    product = _Product(weight.data_ptr(), None if bias is None else bias.data_ptr(), None, 0, kind)
+    return product, [weight] if bias is None else [weight, bias]
 
 
 class RowDecoding:
@@ -77,6 +102,7 @@ class RowDecoding:
 
     def __init__(self) -> None:
         self._plans: dict[int, tuple[tuple[int, ...], _Layer | None, list[torch.Tensor]]] = {}
+        self._parts: dict[int, tuple[Any, tuple[Any, ...], tuple[Any, ...]]] = {}
         self._scratch: tuple[tuple[int, ...], _Scratch, list[torch.Tensor]] | None = None
         self._fn: Any = None
         self._lib: ctypes.CDLL | None = None
@@ -90,39 +116,48 @@ class RowDecoding:
             return None
         if meta.decode_lens is None or meta.decode_blocks is None:
             return None
-        if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
+        if x.device.type != "cpu" or x.dtype not in _KINDS:
             return None
         lib = cpu_kernels.library()
         if lib is None:
             return None
         if lib is not self._lib:
-            self._lib, self._fn, self._plans = lib, _declare(lib), {}
+            self._lib, self._fn, self._plans, self._parts = lib, _declare(lib), {}, {}
         if self._fn is None:
             return None
-        paths = [cpu_fused.one_row_path(x.dtype, w) for w in (torch.bfloat16, torch.float16)]
+        weights = (torch.float32, torch.bfloat16, torch.float16)  # in the order of their kinds
+        paths = [cpu_fused.one_row_path(x.dtype, w) for w in weights]
         if None in paths:
             return None
+        paths.append(cpu_int8.isa(lib))
         cos, sin = cos_sin
         tensors = (meta.slot_mapping, meta.decode_blocks, meta.decode_lens)
         if any(t.dtype != torch.int64 or not t.is_contiguous() for t in tensors):
             return None
         if not (cos.is_contiguous() and sin.is_contiguous()) or cos.dtype != x.dtype:
             return None
-        isas = (ctypes.c_int * 3)(0, *(int(p) for p in paths if p is not None))
+        isas = (ctypes.c_int * 4)(*(int(p) for p in paths if p is not None))
         return _Step(self, x.dtype, meta, cos, sin, isas, torch.get_num_threads())
 
     def plan(self, layer: Any, cache: LayerKVCache, dtype: torch.dtype) -> _Layer | None:
         """The C description of ``layer`` with ``cache``, or None where it takes the Python
         path; cached while the objects it points into are the same."""
-        attn, mlp = layer.self_attn, layer.mlp
-        modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        parts = self._parts.get(id(layer))
+        if parts is None or parts[0] is not layer:
+            attn, mlp = layer.self_attn, layer.mlp
+            modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            parts = self._parts[id(layer)] = (layer, norms, modules)
+        # Checked every step, so read without nn.Module's attribute fallback: the parameters
+        # from their dict, a linear's copies (plain attributes) from its own.
+        _, norms, modules = parts
         key = (
             id(cache.k),
             id(cache.v),
-            id(layer.input_layernorm.weight),
-            id(layer.post_attention_layernorm.weight),
-            *(id(m.weight) for m in modules),
-            *(id(getattr(m, "one_row", None)) for m in modules),
+            *(id(n._parameters["weight"]) for n in norms),
+            *(id(m._parameters.get("weight")) for m in modules),
+            *(id(m.__dict__.get("one_row")) for m in modules),
+            *(id(m.__dict__.get("tiled")) for m in modules),
         )
         held = self._plans.get(id(layer))
         if held is not None and held[0] == key:
@@ -144,10 +179,9 @@ class RowDecoding:
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
         if any(n.dtype != dtype or not n.is_contiguous() for n in norms):
             return None, []
-        plain = [_plain(m, dtype) for m in modules]
-        if any(p is None for p in plain):
+        products = [_product(m, dtype) for m in modules]
+        if any(p is None for p in products):
             return None, []
-        weights = [p for p in plain if p is not None]
         keep = [*norms, cache.k, cache.v]
         fields: dict[str, Any] = {
             "input_norm": norms[0].data_ptr(),
@@ -166,11 +200,10 @@ class RowDecoding:
         }
         if layer.post_attention_layernorm.eps != layer.input_layernorm.eps:
             return None, []
-        for name, (weight, bias) in zip(("qkv", "o", "gate_up", "down"), weights, strict=True):
-            fields[name] = weight.data_ptr()
-            fields[f"{name}_bias"] = None if bias is None else bias.data_ptr()
-            fields[f"{name}_kind"] = cpu_fused.ONE_ROW_WEIGHTS[weight.dtype]
-            keep += [weight] if bias is None else [weight, bias]
+        for name, held in zip(("qkv", "o", "gate_up", "down"), products, strict=True):
+            assert held is not None
+            fields[name], tensors = held
+            keep += tensors
         return _Layer(**fields), keep
 
     def scratch(self, layer: _Layer, dtype: torch.dtype) -> _Scratch:

@@ -121,28 +121,40 @@ def _w8a16(
     return W8A16(stored.group_size)
 
 
+_COPY_TYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_COPIES_OF = {torch.float32: ("fp32",), torch.bfloat16: ("bf16", "fp16")}  # model: copies
+
+
 def add_one_row_copies(
     model: CausalLM, choice: str, dtype: torch.dtype, device: torch.device
 ) -> int | None:
-    """``shapes.oneRowWeights``: copies of the weights for one-row products, where they
-    apply (a bfloat16 model on CPU; BF16 copies need Brook's one-row kernel). Returns the
-    bytes they take, or None where none are kept."""
+    """``shapes.oneRowWeights``: copies of the weights for one-row products (fp32 of a
+    float32 model, bf16 or fp16 of a bfloat16 one, on CPU). Returns the bytes they take, or
+    None where none are kept; a copy that cannot apply is a ``ConfigError`` naming the field
+    (never ignored)."""
     if choice == "model":
         return None
-    if device.type != "cpu" or dtype != torch.bfloat16:
+    if device.type != "cpu":
+        raise ConfigError(
+            f"shapes.oneRowWeights {choice}: one-row copies are read by Brook's CPU kernels; "
+            f"on {device.type} use model"
+        )
+    allowed = _COPIES_OF.get(dtype, ())
+    if choice not in allowed:
+        name = str(dtype).removeprefix("torch.")
+        fix = f"use {' or '.join(allowed)} or model" if allowed else "use model"
+        raise ConfigError(
+            f"shapes.oneRowWeights {choice}: this model runs in {name}, and {choice} copies "
+            f"are of {'float32' if choice == 'fp32' else 'bfloat16'} weights; {fix}"
+        )
+    copy_type = _COPY_TYPES[choice]
+    if choice != "fp16" and cpu_fused.one_row_path(dtype, copy_type) is None:
         log.warning(
-            "shapes.oneRowWeights %s applies to bfloat16 models on CPU; ignored (%s, %s)",
+            "shapes.oneRowWeights %s needs Brook's CPU kernels (see the log above); no copies kept",
             choice,
-            device.type,
-            str(dtype).removeprefix("torch."),
         )
         return None
-    if choice == "bf16" and cpu_fused.one_row_path(dtype, torch.bfloat16) is None:
-        log.warning(
-            "shapes.oneRowWeights bf16 needs Brook's CPU kernels (see the log above); ignored"
-        )
-        return None
-    return keep_one_row_copies(model, torch.bfloat16 if choice == "bf16" else torch.float16)
+    return keep_one_row_copies(model, copy_type)
 
 
 def checkpoint_files(folder: Path) -> list[Path]:

@@ -85,7 +85,7 @@ def tiled_linear(x: torch.Tensor, tiled: TiledWeight) -> torch.Tensor:
     source = (x if kind is not None else x.float()).contiguous()
     rows = source.shape[0]
     out = torch.empty(rows, tiled.out_features, dtype=source.dtype)
-    lib.brook_int8_matmul(
+    status = lib.brook_int8_matmul(
         source.data_ptr(),
         tiled.packed.data_ptr(),
         tiled.scales.data_ptr(),
@@ -96,9 +96,11 @@ def tiled_linear(x: torch.Tensor, tiled: TiledWeight) -> torch.Tensor:
         tiled.in_features,
         tiled.group_size,
         0 if kind is None else kind,
-        _isa(lib),
+        isa(lib),
         torch.get_num_threads(),
     )
+    if status != 0:
+        raise MemoryError(f"int8 product: no memory to widen {rows} × {tiled.in_features} rows")
     return out if kind is not None else out.to(x.dtype)
 
 
@@ -112,7 +114,8 @@ def plain_linear(
 _isa_cache: dict[int, int] = {}
 
 
-def _isa(lib: object) -> int:
+def isa(lib: object) -> int:
+    """The path the kernel takes here (within ``isa_limit``)."""
     limit = isa_limit()
     if limit not in _isa_cache:
         _isa_cache[limit] = int(lib.brook_int8_isa(limit))  # type: ignore[attr-defined]

@@ -59,6 +59,12 @@ CEL_RULES: dict[type[BaseModel], list[Rule]] = {
             ".shapes.oneRowWeights",
         ),
         Rule(
+            "self.shapes.oneRowWeights == 'model' || self.accelerator.type == 'cpu'",
+            "shapes.oneRowWeights: one-row copies are read by Brook's CPU kernels; with an "
+            "npu or cuda accelerator use model",
+            ".shapes.oneRowWeights",
+        ),
+        Rule(
             "!has(self.quantization.groupSize) || self.quantization.weights == 'w8a16'",
             "quantization.groupSize: groups apply to quantized weights; set "
             "quantization.weights: w8a16 or remove groupSize",

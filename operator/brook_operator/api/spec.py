@@ -201,6 +201,11 @@ def spec_problems(spec: LLMInferenceSpec) -> list[str]:
             "scheduling.schedulerName: gang scheduling runs on the volcano scheduler; leave "
             "schedulerName unset or set it to volcano"
         )
+    if spec.shapes.one_row_weights != "model" and spec.accelerator.type != "cpu":
+        problems.append(
+            "shapes.oneRowWeights: one-row copies are read by Brook's CPU kernels; with an "
+            "npu or cuda accelerator use model"
+        )
     rollout = spec.rollout
     if str(rollout.max_surge) in ("0", "0%") and str(rollout.max_unavailable) in ("0", "0%"):
         problems.append("rollout: maxSurge and maxUnavailable cannot both be 0")

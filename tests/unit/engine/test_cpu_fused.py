@@ -141,7 +141,7 @@ def one_row_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     [(960, 576), (13, 40), (7, 32), (64, 1536), (1, 5), (9, 33)],  # odd rows, short tails
 )
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32, torch.float16])
 def test_the_one_row_product_matches_float64_on_every_path(
     one_row_isa: str,
@@ -168,11 +168,11 @@ def test_the_one_row_product_matches_float64_on_every_path(
     assert float(error.norm()) <= float((plain.double() - exact).norm()) * 1.05 + 1e-5
 
 
-def test_a_misshapen_or_float32_one_row_product_is_declined() -> None:
+def test_a_misshapen_or_unreadable_one_row_product_is_declined() -> None:
     weight = torch.ones(4, 32).bfloat16()
     assert cpu_fused.one_row(torch.ones(1, 16).bfloat16(), weight, None) is None
     assert cpu_fused.one_row(torch.ones(2, 32).bfloat16(), weight, None) is None
-    assert cpu_fused.one_row(torch.ones(1, 32), torch.ones(4, 32), None) is None  # 16-bit only
+    assert cpu_fused.one_row(torch.ones(1, 32), torch.ones(4, 32).double(), None) is None
 
 
 def test_the_one_row_product_keeps_nan_and_infinity(one_row_isa: str) -> None:

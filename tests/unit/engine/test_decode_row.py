@@ -1,7 +1,8 @@
 """A single sequence's decode step with a layer per kernel call (``models/decode_row.py``):
 the same tokens and log-probabilities as the Python path, bit for bit, on every layer it
-runs, and the Python path wherever it cannot run (a cache that encodes what it stores,
-float32 weights, more than one token)."""
+runs (16-bit or float32 weights read plain, W8A16's int8 weights), and the Python path
+wherever it cannot run (a cache that encodes what it stores, packed weights, more than one
+token)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from brook_engine import LLM, SamplingParams
-from brook_engine.layers import cpu_kernels
+from brook_engine.layers import cpu_kernels, linear
 from brook_engine.models import decode_row
 
 AUTO_KV = {"layer_policies": [{"start": 0.0, "end": 1.0, "dtype": "auto"}]}
@@ -86,16 +88,49 @@ def test_layers_it_cannot_run_take_the_python_path_in_the_same_step(
     slow = _run(folder, False, monkeypatch, **options)
     assert fast[:2] == slow[:2]
     assert fast[2] == 2 * 11 * 2
-    # float32 weights are packed for oneDNN: no layer is the kernel's.
-    assert _run(folder, True, monkeypatch, dtype="float32", kv_cache=AUTO_KV)[2] == 0
+    # float32 weights packed for oneDNN (no fp32 copies): no layer is the kernel's.
+    if linear.cpu_packing_supported(torch.float32):
+        assert _run(folder, True, monkeypatch, dtype="float32", kv_cache=AUTO_KV)[2] == 0
 
 
 @needs_kernels
+@pytest.mark.parametrize(("dtype", "copy"), [("float32", "fp32"), ("bfloat16", "fp16")])
 def test_one_row_copies_are_what_the_kernel_layer_reads(
-    make_tiny_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+    make_tiny_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, dtype: str, copy: str
 ) -> None:
     folder = make_tiny_model("qwen2")
-    options = {"dtype": "bfloat16", "kv_cache": AUTO_KV, "shapes": {"one_row_weights": "fp16"}}
+    options = {"dtype": dtype, "kv_cache": AUTO_KV, "shapes": {"one_row_weights": copy}}
     fast = _run(folder, True, monkeypatch, **options)
     slow = _run(folder, False, monkeypatch, **options)
     assert fast[:2] == slow[:2] and fast[2] == 2 * 11 * 3
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: the int8 product's float32 bias
+@pytest.mark.parametrize(("dtype", "group_size"), [("bfloat16", None), ("float32", 32)])
+def test_w8a16_layers_run_in_the_kernel_bit_for_bit(
+    make_tiny_model: Callable[..., Path],
+    monkeypatch: pytest.MonkeyPatch,
+    arch: str,
+    dtype: str,
+    group_size: int | None,
+) -> None:
+    # The tiled int8 weights are read by the same kernel the Python path calls; float32
+    # activations too (a float32 model's float weights are the Python path's, not the kernel's).
+    folder = make_tiny_model(arch)
+    quantization = {"weights": "w8a16", "group_size": group_size}
+    options: dict[str, Any] = {"dtype": dtype, "kv_cache": AUTO_KV, "quantization": quantization}
+    fast = _run(folder, True, monkeypatch, **options)
+    slow = _run(folder, False, monkeypatch, **options)
+    assert fast[0] == slow[0] and fast[1] == slow[1]
+    assert fast[2] == 2 * 11 * 3 and slow[2] == 0
+
+
+@needs_kernels
+def test_float16_w8a16_layers_take_the_python_path(
+    make_tiny_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The int8 kernel reads float32 or bfloat16 activations; float16 ones are widened in
+    # PyTorch, so no layer is the kernel's.
+    options = {"dtype": "float16", "kv_cache": AUTO_KV, "quantization": {"weights": "w8a16"}}
+    assert _run(make_tiny_model("llama"), True, monkeypatch, **options)[2] == 0

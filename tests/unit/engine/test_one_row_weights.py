@@ -1,8 +1,9 @@
-"""Copies of the weights for one-row products (``shapes.oneRowWeights``: BF16 or FP16, read
-by Brook's one-row kernel; FP16 by PyTorch's product where the kernels do not run): the copy
-is used for a single row and only then, it is at least as exact as the packed BF16 product,
-a weight beyond FP16's range keeps no copy, a PyTorch FP16 product that overflows is
-recomputed with the model's weights, and the option is ignored where it does not apply."""
+"""Copies of the weights for one-row products (``shapes.oneRowWeights``: FP32 of a float32
+model, BF16 or FP16 of a bfloat16 one, read by Brook's one-row kernel; FP16 by PyTorch's
+product where the kernels do not run): the copy is used for a single row and only then, it is
+at least as exact as the packed product, a weight beyond FP16's range keeps no copy, a
+PyTorch FP16 product that overflows is recomputed with the model's weights, and a copy that
+cannot apply is refused, naming the field."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from brook_engine import LLM
+from brook_engine.config import ConfigError
 from brook_engine.layers import cpu_fused, linear
 from brook_engine.layers.linear import dense, keep_one_row_copies, one_row_linear
 from brook_engine.models import decode_row
@@ -165,17 +167,49 @@ def test_a_weight_beyond_fp16_keeps_no_copy(
     assert torch.equal(copies.engine.prompt_logits([11]), plain.engine.prompt_logits([11]))
 
 
-def test_ignored_where_it_does_not_apply(
-    make_tiny_model: Callable[..., Path], caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize(
+    ("dtype", "copy", "fix"),
+    [("float32", "fp16", "use fp32 or model"), ("bfloat16", "fp32", "use bf16 or fp16 or model")],
+)
+def test_a_copy_of_another_type_than_the_model_is_refused(
+    make_tiny_model: Callable[..., Path], dtype: str, copy: str, fix: str
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="brook_engine.models.loader"):
-        llm = LLM(
+    with pytest.raises(ConfigError, match=rf"shapes\.oneRowWeights {copy}: .*; {fix}"):
+        LLM(
             str(make_tiny_model("llama")),
-            dtype="float32",
+            dtype=dtype,
             max_model_len=128,
             kv_cache=EXACT_KV,
-            shapes={"one_row_weights": "fp16"},
+            shapes={"one_row_weights": copy},
             progress=False,
         )
-    assert not llm.engine.runner.one_row_copies
-    assert "oneRowWeights fp16 applies to bfloat16 models on CPU; ignored" in caplog.text
+
+
+@pytest.mark.skipif(
+    cpu_fused.one_row_path(torch.float32, torch.float32) is None,
+    reason="Brook's CPU kernels did not build here",
+)
+def test_a_float32_model_keeps_fp32_copies_where_its_weights_are_packed(
+    make_tiny_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = make_tiny_model("qwen2")  # a tied head: the table is read as it is
+    options = {"dtype": "float32", "max_model_len": 128, "kv_cache": EXACT_KV, "progress": False}
+    plain = LLM(str(folder), **options)
+    copies = LLM(str(folder), shapes={"one_row_weights": "fp32"}, **options)
+    model = copies.engine.runner.model
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.one_row is not None and torch.equal(qkv.one_row, dense(qkv.weight))
+    packed = linear.cpu_packing_supported(torch.float32)
+    copied = sum(
+        m.weight.numel()
+        for m in model.modules()
+        if getattr(m, "one_row", None) is not None and m.weight.is_mkldnn
+    )
+    assert copied > 0 if packed else copied == 0
+    assert copies.engine.runner.weight_bytes - plain.engine.runner.weight_bytes == 4 * copied
+    # One row: the kernel's float32 sums, within float32 rounding of the packed product.
+    monkeypatch.setattr(decode_row.RowDecoding, "begin", lambda *args: None)
+    one, reference = copies.engine.prompt_logits([11]), plain.engine.prompt_logits([11])
+    assert torch.allclose(one, reference, atol=1e-4, rtol=1e-4)
+    longer = list(range(5, 25))  # more than one row: the packed weights, bit for bit
+    assert torch.equal(copies.engine.prompt_logits(longer), plain.engine.prompt_logits(longer))

@@ -41,6 +41,11 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
         "spec.shapes.oneRowWeights",
     ),
     (
+        "one-row-copies-on-an-accelerator",
+        {"spec.quantization.weights": "none", "spec.shapes.oneRowWeights": "bf16"},
+        "spec.shapes.oneRowWeights",
+    ),
+    (
         "group-size-without-w8a16",
         {"spec.quantization.weights": "none", "spec.quantization.groupSize": 32},
         "spec.quantization.groupSize",

@@ -4,8 +4,8 @@
  * own work at this size. This function runs the same kernels, in the same order, with the
  * same roundings (to the model's type where the PyTorch sequence rounds), so its outputs are
  * the Python path's bit for bit. Called from brook_engine/models/decode_row.py, which checks
- * that the layer is one it can run (16-bit weights it reads plain, a cache that stores keys
- * and values as they are, one process).
+ * that the layer is one it can run (float weights it reads plain or W8A16's tiled int8
+ * weights, a cache that stores keys and values as they are, one process).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -20,8 +20,11 @@ void brook_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter,
                     int threads);
 void brook_rotary(void *x, const void *cos, const void *sin, int64_t tokens, int64_t heads,
                   int64_t rotated, int64_t dim, int kind, int threads);
-int brook_one_row(const void *x, const uint16_t *weight, const void *bias, void *out,
+int brook_one_row(const void *x, const void *weight, const void *bias, void *out,
                   int64_t out_features, int64_t in, int xkind, int wkind, int isa, int threads);
+int brook_int8_matmul(const void *x, const int8_t *packed, const float *scales,
+                      const float *bias, void *out, int64_t rows, int64_t out_features,
+                      int64_t in, int64_t group, int kind, int isa, int threads);
 int brook_kv_store(const void *k, const void *v, void *k_cache, void *v_cache,
                    const int64_t *slot_ids, int64_t tokens, int64_t kv_heads, int64_t dim,
                    int64_t token_stride, int64_t slots, int64_t item);
@@ -31,16 +34,38 @@ int brook_paged_decode(const float *q, const void *k, const void *v, const float
                        int64_t dim, int64_t slots, int64_t block_size, int64_t width,
                        int64_t window, int kind, const float *lut, float scale, int threads);
 
-/* A layer's weights (plain, [out, in]; biases NULL or [out]) and cache, set once. */
+/* One projection's weight: plain [out, in] of `kind` (0 float32, 1 bf16, 2 fp16) with a bias
+ * of the model's type, or (kind 3) int8 in brook_int8_pack's tiles with float32 `scales`
+ * ([in / group][out rounded up to 16]) and a float32 bias; bias NULL where there is none. */
+typedef struct {
+  const void *weight, *bias;
+  const float *scales;
+  int64_t group;
+  int32_t kind;
+} brook_row_product;
+
+enum { WEIGHT_INT8 = 3 };
+
+/* A layer's weights and cache, set once. */
 typedef struct {
   const void *input_norm, *post_norm; /* [hidden] */
-  const uint16_t *qkv, *o, *gate_up, *down;
-  const void *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
-  int32_t qkv_kind, o_kind, gate_up_kind, down_kind; /* weight types: 1 bf16, 2 fp16 */
-  void *k_cache, *v_cache;                            /* [kv_heads, slots, dim], model type */
+  brook_row_product qkv, o, gate_up, down;
+  void *k_cache, *v_cache; /* [kv_heads, slots, dim], model type */
   int64_t hidden, heads, kv_heads, dim, inter, slots, block_size;
   float eps, scale;
 } brook_row_layer;
+
+/* out [out_features] = x [in] times the projection, by the kernel its weight's kind takes
+ * (isas[kind]: that kernel's path). */
+static int product(const brook_row_product *p, const void *x, void *out, int64_t out_features,
+                   int64_t in, int kind, const int *isas, int threads) {
+  if (p->kind == WEIGHT_INT8)
+    return brook_int8_matmul(x, (const int8_t *)p->weight, p->scales, (const float *)p->bias,
+                             out, 1, out_features, in, p->group, kind, isas[WEIGHT_INT8],
+                             threads);
+  return brook_one_row(x, p->weight, p->bias, out, out_features, in, kind, p->kind,
+                       isas[p->kind], threads);
+}
 
 /* Scratch a layer writes between its kernels, sized for the model (shared by its layers). */
 typedef struct {
@@ -61,12 +86,10 @@ int brook_decode_row_layer(const brook_row_layer *L, const brook_row_scratch *S,
   const int64_t H = L->heads, KV = L->kv_heads, D = L->dim, hidden = L->hidden;
   const int64_t width_qkv = (H + 2 * KV) * D;
   const int64_t item = kind == 0 ? 4 : 2;
-  /* isas: the one-row path for each weight type (index 1 bf16, 2 fp16) */
   const void *residual = delta != NULL ? residual_out : x;
   brook_add_rms_norm(x, delta, L->input_norm, S->normed, delta != NULL ? residual_out : NULL,
                      1, hidden, L->eps, kind, threads);
-  if (brook_one_row(S->normed, L->qkv, L->qkv_bias, S->qkv, width_qkv, hidden, kind,
-                    L->qkv_kind, isas[L->qkv_kind], threads))
+  if (product(&L->qkv, S->normed, S->qkv, width_qkv, hidden, kind, isas, threads))
     return -1;
   brook_rotary(S->qkv, cos, sin, 1, H + 2 * KV, H + KV, D, kind, threads);
   const char *qkv = (const char *)S->qkv;
@@ -79,19 +102,16 @@ int brook_decode_row_layer(const brook_row_layer *L, const brook_row_scratch *S,
                          threads))
     return -1;
   for (int64_t i = 0; i < H * D; i++) store_kind(S->attn, i, S->attn32[i], kind);
-  if (brook_one_row(S->attn, L->o, L->o_bias, S->o, hidden, H * D, kind, L->o_kind,
-                    isas[L->o_kind], threads))
+  if (product(&L->o, S->attn, S->o, hidden, H * D, kind, isas, threads))
     return -1;
   /* residual_out = (this layer's input stream) + the attention, element by element (in
    * place where the stream is residual_out already); the MLP's input is its norm. */
   brook_add_rms_norm(residual, S->o, L->post_norm, S->normed, residual_out, 1, hidden, L->eps,
                      kind, threads);
-  if (brook_one_row(S->normed, L->gate_up, L->gate_up_bias, S->gate_up, 2 * L->inter, hidden,
-                    kind, L->gate_up_kind, isas[L->gate_up_kind], threads))
+  if (product(&L->gate_up, S->normed, S->gate_up, 2 * L->inter, hidden, kind, isas, threads))
     return -1;
   brook_silu_mul(S->gate_up, S->act, 1, L->inter, kind, threads);
-  if (brook_one_row(S->act, L->down, L->down_bias, delta_out, hidden, L->inter, kind,
-                    L->down_kind, isas[L->down_kind], threads))
+  if (product(&L->down, S->act, delta_out, hidden, L->inter, kind, isas, threads))
     return -1;
   return 0;
 }

@@ -65,6 +65,8 @@ static void tile_c(const float *x, int64_t in, int64_t group, const float *scale
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 
+/* One-row passes prefetch each tile's stream this many channels (x 16 bytes) ahead. */
+#define AHEAD 128
 #define TARGET512 __attribute__((target("avx512f,avx512bw,avx512vl"), noinline))
 #define TARGET2 __attribute__((target("avx2,fma"), noinline))
 
@@ -110,6 +112,42 @@ TARGET512 static void pair_512(const float *x, int64_t in, int64_t group, const 
   }
 }
 
+/* AVX-512, one row, four whole tiles and groups of a multiple of four channels (the common
+ * case): four channels a pass, one cache line of each tile's stream, prefetched AHEAD
+ * channels ahead (the hardware prefetcher alone leaves the cores waiting on memory); two
+ * sums per tile (even and odd channels) so eight multiply-adds are in flight. */
+TARGET512 static void quad_512_full(const float *x, int64_t in, int64_t group,
+                                    const float *scales, int64_t stride, const int8_t *w,
+                                    float *totals) {
+  __m512 t[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                 _mm512_setzero_ps()};
+  const int64_t step = in * TILE;
+  for (int64_t g0 = 0; g0 < in; g0 += group) {
+    __m512 a[4], b[4];
+    for (int j = 0; j < 4; j++) a[j] = b[j] = _mm512_setzero_ps();
+    for (int64_t k = g0; k < g0 + group; k += 4) {
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; j++)
+        _mm_prefetch((const char *)(w + j * step + (k + AHEAD) * TILE), _MM_HINT_T0);
+      const __m512 x0 = _mm512_set1_ps(x[k]), x1 = _mm512_set1_ps(x[k + 1]);
+      const __m512 x2 = _mm512_set1_ps(x[k + 2]), x3 = _mm512_set1_ps(x[k + 3]);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; j++) {
+        const int8_t *p = w + j * step + k * TILE;
+        a[j] = _mm512_fmadd_ps(x0, widen_512(p), a[j]);
+        b[j] = _mm512_fmadd_ps(x1, widen_512(p + TILE), b[j]);
+        a[j] = _mm512_fmadd_ps(x2, widen_512(p + 2 * TILE), a[j]);
+        b[j] = _mm512_fmadd_ps(x3, widen_512(p + 3 * TILE), b[j]);
+      }
+    }
+    const float *sc = scales + (g0 / group) * stride;
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++)
+      t[j] = _mm512_fmadd_ps(_mm512_add_ps(a[j], b[j]), _mm512_loadu_ps(sc + j * TILE), t[j]);
+  }
+  for (int j = 0; j < 4; j++) _mm512_storeu_ps(totals + j * TILE, t[j]);
+}
+
 /* AVX-512, one row: four tiles at once, so four independent sums hide the multiply-add's
  * latency and four streams keep the prefetchers busy; totals is [64]. */
 TARGET512 static void quad_512(const float *x, int64_t in, int64_t group, const float *scales,
@@ -122,6 +160,12 @@ TARGET512 static void quad_512(const float *x, int64_t in, int64_t group, const 
                    _mm512_setzero_ps()};
     for (int64_t k = g0; k < g0 + group; k++) {
       const __m512 xv = _mm512_set1_ps(x[k]);
+      if ((k & 3) == 0) {
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++)
+          if (j < tiles)
+            _mm_prefetch((const char *)(w + j * step + (k + AHEAD) * TILE), _MM_HINT_T0);
+      }
 #pragma GCC unroll 4
       for (int j = 0; j < 4; j++)
         if (j < tiles) a[j] = _mm512_fmadd_ps(xv, widen_512(w + j * step + k * TILE), a[j]);
@@ -175,6 +219,7 @@ TARGET2 static void tile_avx2(const float *x, int64_t in, int64_t group, const f
 
 enum { ISA_C = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 
+
 /* The best path this CPU runs, capped at `limit` (tests force each path on one machine). */
 int brook_int8_isa(int limit) {
   int isa = ISA_C;
@@ -194,16 +239,17 @@ enum { KIND_F32 = 0, KIND_BF16 = 1 }; /* float16 callers widen in PyTorch */
 /* out = x @ (q * scale).T + bias for x [rows, in] and out [rows, out_features] of `kind`
  * (float32 or bfloat16), packed q (brook_int8_pack), float32 `scales` [in / group][stride]
  * (stride: out_features rounded up to 16; one row of them for one scale per channel) and a
- * float32 bias (or NULL). */
-void brook_int8_matmul(const void *x, const int8_t *packed, const float *scales,
-                       const float *bias, void *out, int64_t rows, int64_t out_features,
-                       int64_t in, int64_t group, int kind, int isa, int threads) {
-  if (group <= 0 || in % group != 0) return; /* the caller checks; never read past a row */
+ * float32 bias (or NULL). Returns 0, or -1 (nothing written) for a group that does not
+ * divide `in` or no memory for the widened activations. */
+int brook_int8_matmul(const void *x, const int8_t *packed, const float *scales,
+                      const float *bias, void *out, int64_t rows, int64_t out_features,
+                      int64_t in, int64_t group, int kind, int isa, int threads) {
+  if (group <= 0 || in % group != 0) return -1; /* the caller checks; never read past a row */
   const float *xf = (const float *)x;
   float *widened = NULL;
   if (kind != KIND_F32) { /* activations widened once per call, not once per tile */
     widened = (float *)malloc((size_t)(rows * in) * sizeof(float));
-    if (widened == NULL) return;
+    if (widened == NULL) return -1;
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * in > 65536)
     for (int64_t i = 0; i < rows * in; i++) widened[i] = bf16_to_float(((const uint16_t *)x)[i]);
     xf = widened;
@@ -222,7 +268,10 @@ void brook_int8_matmul(const void *x, const int8_t *packed, const float *scales,
         float totals[4 * TILE];
         const int count = (int)(end - t < 4 ? end - t : 4);
         const int64_t n0 = t * TILE;
-        quad_512(xf, in, group, scales + n0, stride, packed + t * in * TILE, count, totals);
+        if (count == 4 && group % 4 == 0)
+          quad_512_full(xf, in, group, scales + n0, stride, packed + t * in * TILE, totals);
+        else
+          quad_512(xf, in, group, scales + n0, stride, packed + t * in * TILE, count, totals);
         const int64_t n1 = n0 + count * TILE < out_features ? n0 + count * TILE : out_features;
         for (int64_t n = n0; n < n1; n++) {
           float v = totals[n - n0];
@@ -232,7 +281,7 @@ void brook_int8_matmul(const void *x, const int8_t *packed, const float *scales,
       }
     }
     free(widened);
-    return;
+    return 0;
   }
 #endif
   const int64_t pairs = (tiles + 1) / 2;
@@ -273,4 +322,5 @@ void brook_int8_matmul(const void *x, const int8_t *packed, const float *scales,
     }
   }
   free(widened);
+  return 0;
 }

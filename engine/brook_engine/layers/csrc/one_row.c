@@ -1,12 +1,13 @@
-/* One row times a 16-bit weight matrix on CPU: out = x @ weight.T (+ bias), the product a
+/* One row times a weight matrix on CPU: out = x @ weight.T (+ bias), the product a
  * decode step of one sequence makes in every layer: a pure stream of the weights. The weight
  * is read once, as it lies (row-major [out, in]), several rows per pass, each value widened
  * to float32 in registers; sums are float32 and each is rounded once to the output type, as
  * PyTorch's 16-bit product does. Built by brook_engine/layers/cpu_kernels.py, called from
  * cpu_fused.py.
  *
- * Types: the weight is bfloat16 or float16 (`wkind`); x, bias and out share one type
- * (`xkind`: float32, bfloat16 or float16). Paths (`isa`, brook_one_row_isa):
+ * Types: the weight is float32, bfloat16 or float16 (`wkind`); x, bias and out share one
+ * type (`xkind`: float32, bfloat16 or float16). A float32 weight is read as it is (the
+ * stream is twice a 16-bit one's; its paths are the f32 functions below). Paths (`isa`, brook_one_row_isa):
  *   3  AVX512-BF16 dot products (bfloat16 x and weight only), eight rows a pass;
  *   2  AVX-512 widening, eight rows a pass;
  *   1  AVX2 + FMA (+ F16C for float16 weights) widening, four rows a pass;
@@ -83,6 +84,22 @@ static void rows_c(const float *xf, const uint16_t *w, const void *bias, void *o
         for (int j = 0; j < 16; j++) acc[j] += (float)half[i + j] * xf[i + j];
     }
     float sum = tail_sum(xf, row, full, in, wkind);
+    for (int j = 0; j < 16; j++) sum += acc[j];
+    finish(sum, r, bias, out, xkind);
+  }
+}
+
+/* Portable, float32 weights: sixteen independent sums per row, as rows_c. */
+static void rows_f32_c(const float *xf, const float *w, const void *bias, void *out,
+                       int64_t first, int64_t last, int64_t in, int xkind) {
+  const int64_t full = in / 16 * 16;
+  for (int64_t r = first; r < last; r++) {
+    const float *row = w + r * in;
+    float acc[16] = {0};
+    for (int64_t i = 0; i < full; i += 16)
+      for (int j = 0; j < 16; j++) acc[j] += row[i + j] * xf[i + j];
+    float sum = 0.0f;
+    for (int64_t i = full; i < in; i++) sum += row[i] * xf[i];
     for (int j = 0; j < 16; j++) sum += acc[j];
     finish(sum, r, bias, out, xkind);
   }
@@ -229,6 +246,84 @@ TARGET512 static void rows_512(const float *xf, const uint16_t *w, const void *b
   }
 }
 
+/* AVX2, float32 weights: four rows a pass, two sums per row (16 values a step); the next
+ * pass's rows are prefetched. */
+TARGET2 static void rows_f32_avx2(const float *xf, const float *w, const void *bias, void *out,
+                                  int64_t first, int64_t last, int64_t in, int xkind) {
+  const int64_t full = in / 16 * 16;
+  int64_t r = first;
+  for (; r + 4 <= last; r += 4) {
+    __m256 a[4], b[4];
+    for (int j = 0; j < 4; j++) a[j] = b[j] = _mm256_setzero_ps();
+    const float *rows = w + r * in;
+    const int ahead = r + 8 <= last;
+    for (int64_t i = 0; i < full; i += 16) {
+      const __m256 x0 = _mm256_loadu_ps(xf + i), x1 = _mm256_loadu_ps(xf + i + 8);
+      for (int j = 0; j < 4; j++) {
+        const float *p = rows + j * in + i;
+        if (ahead) {
+          _mm_prefetch((const char *)(p + 4 * in), _MM_HINT_T0);
+          _mm_prefetch((const char *)(p + 4 * in + 8), _MM_HINT_T0);
+        }
+        a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(p), x0, a[j]);
+        b[j] = _mm256_fmadd_ps(_mm256_loadu_ps(p + 8), x1, b[j]);
+      }
+    }
+    for (int j = 0; j < 4; j++) {
+      float sum = hsum_256(_mm256_add_ps(a[j], b[j]));
+      for (int64_t i = full; i < in; i++) sum += rows[j * in + i] * xf[i];
+      finish(sum, r + j, bias, out, xkind);
+    }
+  }
+  for (; r < last; r++) {
+    __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+    const float *row = w + r * in;
+    for (int64_t i = 0; i < full; i += 16) {
+      a = _mm256_fmadd_ps(_mm256_loadu_ps(row + i), _mm256_loadu_ps(xf + i), a);
+      b = _mm256_fmadd_ps(_mm256_loadu_ps(row + i + 8), _mm256_loadu_ps(xf + i + 8), b);
+    }
+    float sum = hsum_256(_mm256_add_ps(a, b));
+    for (int64_t i = full; i < in; i++) sum += row[i] * xf[i];
+    finish(sum, r, bias, out, xkind);
+  }
+}
+
+/* AVX-512, float32 weights: eight rows a pass, one sum per row (16 values a step, a cache
+ * line); the next pass's rows are prefetched. */
+TARGET512 static void rows_f32_512(const float *xf, const float *w, const void *bias, void *out,
+                                   int64_t first, int64_t last, int64_t in, int xkind) {
+  const int64_t full = in / 16 * 16;
+  int64_t r = first;
+  for (; r + 8 <= last; r += 8) {
+    __m512 a[8];
+    for (int j = 0; j < 8; j++) a[j] = _mm512_setzero_ps();
+    const float *rows = w + r * in;
+    const int ahead = r + 16 <= last;
+    for (int64_t i = 0; i < full; i += 16) {
+      const __m512 x0 = _mm512_loadu_ps(xf + i);
+      for (int j = 0; j < 8; j++) {
+        const float *p = rows + j * in + i;
+        if (ahead) _mm_prefetch((const char *)(p + 8 * in), _MM_HINT_T0);
+        a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(p), x0, a[j]);
+      }
+    }
+    for (int j = 0; j < 8; j++) {
+      float sum = _mm512_reduce_add_ps(a[j]);
+      for (int64_t i = full; i < in; i++) sum += rows[j * in + i] * xf[i];
+      finish(sum, r + j, bias, out, xkind);
+    }
+  }
+  for (; r < last; r++) {
+    __m512 a = _mm512_setzero_ps();
+    const float *row = w + r * in;
+    for (int64_t i = 0; i < full; i += 16)
+      a = _mm512_fmadd_ps(_mm512_loadu_ps(row + i), _mm512_loadu_ps(xf + i), a);
+    float sum = _mm512_reduce_add_ps(a);
+    for (int64_t i = full; i < in; i++) sum += row[i] * xf[i];
+    finish(sum, r, bias, out, xkind);
+  }
+}
+
 /* AVX512-BF16: bfloat16 x and weight, pairs of products summed by the dot instruction in
  * float32; eight rows a pass. */
 TARGET512BF16 static void rows_512bf16(const uint16_t *x, const uint16_t *w, const void *bias,
@@ -296,12 +391,13 @@ int brook_one_row_isa(int limit, int xkind, int wkind) {
 /* x [in], weight [out_features, in], bias [out_features] or NULL, out [out_features], all
  * contiguous. Each thread takes a contiguous share of the rows. Returns 0, or -1 when the
  * scratch for x could not be allocated (nothing written). */
-int brook_one_row(const void *x, const uint16_t *weight, const void *bias, void *out,
+int brook_one_row(const void *x, const void *weight, const void *bias, void *out,
                   int64_t out_features, int64_t in, int xkind, int wkind, int isa, int threads) {
   if (isa == ISA_AVX512BF16 && (xkind != KIND_BF16 || wkind != KIND_BF16)) isa = ISA_AVX512;
   float *xf = NULL;
   if (isa != ISA_AVX512BF16) {
-    /* BF16 blocks of two registers' lanes, evens then odds; float16 (and C) in order. */
+    /* BF16 blocks of two registers' lanes, evens then odds; float32, float16 (and C) in
+     * order. */
     const int64_t block = isa == ISA_C || wkind != KIND_BF16 ? 0 : (isa == ISA_AVX2 ? 16 : 32);
     xf = (float *)malloc((size_t)(in + 16) * sizeof(float));
     if (xf == NULL) return -1;
@@ -323,16 +419,25 @@ int brook_one_row(const void *x, const uint16_t *weight, const void *bias, void 
     int64_t last = passes * (me + 1) / team * PASS;
     if (last > out_features) last = out_features;
     if (first < last) {
+      const float *wf = (const float *)weight;
+      const uint16_t *wh = (const uint16_t *)weight;
 #if defined(__x86_64__) && defined(__GNUC__)
-      if (isa == ISA_AVX512BF16)
-        rows_512bf16((const uint16_t *)x, weight, bias, out, first, last, in);
+      if (wkind == KIND_F32 && isa >= ISA_AVX512)
+        rows_f32_512(xf, wf, bias, out, first, last, in, xkind);
+      else if (wkind == KIND_F32 && isa == ISA_AVX2)
+        rows_f32_avx2(xf, wf, bias, out, first, last, in, xkind);
+      else if (isa == ISA_AVX512BF16)
+        rows_512bf16((const uint16_t *)x, wh, bias, out, first, last, in);
       else if (isa == ISA_AVX512)
-        rows_512(xf, weight, bias, out, first, last, in, wkind, xkind);
+        rows_512(xf, wh, bias, out, first, last, in, wkind, xkind);
       else if (isa == ISA_AVX2)
-        rows_avx2(xf, weight, bias, out, first, last, in, wkind, xkind);
+        rows_avx2(xf, wh, bias, out, first, last, in, wkind, xkind);
       else
 #endif
-        rows_c(xf, weight, bias, out, first, last, in, wkind, xkind);
+      if (wkind == KIND_F32)
+        rows_f32_c(xf, wf, bias, out, first, last, in, xkind);
+      else
+        rows_c(xf, wh, bias, out, first, last, in, wkind, xkind);
     }
   }
   free(xf);
