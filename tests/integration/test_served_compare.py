@@ -6,6 +6,7 @@ set up (docs/performance.md has the figures)."""
 from __future__ import annotations
 
 import argparse
+import json
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -52,6 +53,34 @@ def test_brooks_server_starts_from_the_command_answers_and_stops(
             assert served_compare.SERVED_NAME in response.read().decode()
     with pytest.raises(OSError):  # stopped with the context
         urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5)
+
+
+def test_brook_is_ready_only_when_its_engine_is(
+    make_tiny_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    # /v1/models answers while the weights load; the client starts only once completions
+    # are served (they got 503 before: every request of a round failed).
+    args = _args(str(make_tiny_model("llama")))
+    port = served_compare._free_port()
+    cmd = served_compare._brook_command(args, port)
+    with served_compare._running("brook", cmd, {}, port, tmp_path / "server.log"):
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions",
+            data=json.dumps(
+                {"model": served_compare.SERVED_NAME, "prompt": [5, 6, 7], "max_tokens": 2}
+            ).encode(),
+            headers={"content-type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert response.status == 200
+
+
+def test_a_round_with_failed_requests_is_an_error_not_a_figure() -> None:
+    result = {"completed": 0, "output_throughput": 0.0}
+    with pytest.raises(served_compare.PeerError, match="4 of 4 requests failed"):
+        served_compare._all_completed(result, 4)
+    full = {"completed": 4, "output_throughput": 9.0}
+    assert served_compare._all_completed(full, 4) is full
 
 
 def test_a_server_that_exits_is_reported_with_its_log(tmp_path: Path) -> None:

@@ -97,8 +97,11 @@ def _vllm_server(
 def _running(
     name: str, cmd: list[str], env: dict[str, str], port: int, log: Path
 ) -> Iterator[None]:
-    """The server started in its own process group, waited for until ``/v1/models``
-    answers, then stopped (SIGTERM, then SIGKILL) with everything it started."""
+    """The server started in its own process group, waited for until it is ready, then
+    stopped (SIGTERM, then SIGKILL) with everything it started. Ready: Brook's ``/ready``
+    (its ``/v1/models`` answers while the weights load, and completions get 503 until the
+    engine is up); vLLM's ``/v1/models`` (its server listens only once loaded)."""
+    ready = "/ready" if name == "brook" else "/v1/models"
     with log.open("w") as out:
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -110,7 +113,7 @@ def _running(
                     tail = log.read_text()[-3000:]
                     raise PeerError(f"{name} server exited with {proc.returncode}:\n{tail}")
                 with contextlib.suppress(urllib.error.URLError, OSError):
-                    url = f"http://127.0.0.1:{port}/v1/models"
+                    url = f"http://127.0.0.1:{port}{ready}"
                     with urllib.request.urlopen(url, timeout=5) as response:
                         if response.status == 200:
                             break
@@ -146,11 +149,22 @@ def _client(python: Path, args: argparse.Namespace, port: int, seed: int) -> dic
     for line in reversed(done.stdout.splitlines()):
         if line.startswith("BROOK-RESULT "):
             result: dict[str, Any] = json.loads(line.removeprefix("BROOK-RESULT "))
-            return result
+            return _all_completed(result, args.num_requests)
     raise PeerError(
         f"vLLM's serving client exited with {done.returncode} and no result:\n"
         f"{(done.stdout + done.stderr)[-3000:]}"
     )
+
+
+def _all_completed(result: dict[str, Any], requests: int) -> dict[str, Any]:
+    """``result``, or a ``PeerError`` when any request failed: a rate over fewer requests
+    (or none) is not the workload's."""
+    completed = int(result.get("completed", 0))
+    if completed != requests:
+        raise PeerError(
+            f"{requests - completed} of {requests} requests failed (the server's log says why)"
+        )
+    return result
 
 
 def compare_served(args: argparse.Namespace) -> int:
@@ -176,7 +190,10 @@ def compare_served(args: argparse.Namespace) -> int:
                     with _running(name, cmd, env, port, log):
                         runs[name].append(_client(python, args, port, args.seed))
                 except PeerError as exc:
-                    print(f"{name} failed: {exc}", file=sys.stderr)
+                    tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+                    print(
+                        f"{name} failed: {exc}\n{name} server log (tail):\n{tail}", file=sys.stderr
+                    )
                     return 1
     medians = {name: _median(rows) for name, rows in runs.items()}
     brook, vllm = medians["brook"], medians["vllm"]

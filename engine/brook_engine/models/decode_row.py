@@ -102,7 +102,6 @@ class RowDecoding:
 
     def __init__(self) -> None:
         self._plans: dict[int, tuple[tuple[int, ...], _Layer | None, list[torch.Tensor]]] = {}
-        self._parts: dict[int, tuple[Any, tuple[Any, ...], tuple[Any, ...]]] = {}
         self._scratch: tuple[tuple[int, ...], _Scratch, list[torch.Tensor]] | None = None
         self._fn: Any = None
         self._lib: ctypes.CDLL | None = None
@@ -122,7 +121,7 @@ class RowDecoding:
         if lib is None:
             return None
         if lib is not self._lib:
-            self._lib, self._fn, self._plans, self._parts = lib, _declare(lib), {}, {}
+            self._lib, self._fn, self._plans = lib, _declare(lib), {}
         if self._fn is None:
             return None
         weights = (torch.float32, torch.bfloat16, torch.float16)  # in the order of their kinds
@@ -142,15 +141,13 @@ class RowDecoding:
     def plan(self, layer: Any, cache: LayerKVCache, dtype: torch.dtype) -> _Layer | None:
         """The C description of ``layer`` with ``cache``, or None where it takes the Python
         path; cached while the objects it points into are the same."""
-        parts = self._parts.get(id(layer))
-        if parts is None or parts[0] is not layer:
-            attn, mlp = layer.self_attn, layer.mlp
-            modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            parts = self._parts[id(layer)] = (layer, norms, modules)
-        # Checked every step, so read without nn.Module's attribute fallback: the parameters
-        # from their dict, a linear's copies (plain attributes) from its own.
-        _, norms, modules = parts
+        # Checked every step, so read without nn.Module's attribute fallback (dict lookups):
+        # submodules and parameters from their dicts, a linear's copies (plain attributes)
+        # from its own.
+        sub = layer._modules
+        attn, mlp = sub["self_attn"]._modules, sub["mlp"]._modules
+        modules = (attn["qkv_proj"], attn["o_proj"], mlp["gate_up_proj"], mlp["down_proj"])
+        norms = (sub["input_layernorm"], sub["post_attention_layernorm"])
         key = (
             id(cache.k),
             id(cache.v),
