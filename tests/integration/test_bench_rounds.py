@@ -12,7 +12,12 @@ import pytest
 import torch
 
 from brook_engine.bench.command import median_round
-from brook_engine.bench.machine import VECTOR_FLAGS, _products, model_product_rate
+from brook_engine.bench.machine import (
+    VECTOR_FLAGS,
+    _products,
+    model_parameters,
+    model_product_rate,
+)
 from brook_engine.bench.run import BenchReport
 from brook_engine.cli import main
 
@@ -94,3 +99,27 @@ def test_the_model_products_rate_counts_every_linear_layer_and_the_head(
     layers = len(model.model.layers)
     assert len(products) == 4 * layers + 1  # qkv, o, gate_up, down per layer; the head
     assert model_product_rate(model, rows=2, dtype=torch.float32) > 0
+
+
+def test_a_w8a16_model_counts_its_int8_weights_as_parameters(
+    make_tiny_model: Callable[..., Path],
+) -> None:
+    from brook_engine import LLM
+
+    folder = str(make_tiny_model("llama"))
+    plain = LLM(folder, dtype="float32", max_model_len=64, progress=False)
+    quantized = LLM(
+        folder,
+        dtype="float32",
+        max_model_len=64,
+        quantization={"weights": "w8a16"},
+        progress=False,
+    )
+    # Scales aside, the same weights: the tiled int8 copies replace the plain parameters.
+    counted = model_parameters(quantized.engine.runner.model)
+    scales = sum(
+        m.weight_scale.numel()
+        for m in quantized.engine.runner.model.modules()
+        if hasattr(m, "weight_scale")
+    )
+    assert counted - scales == model_parameters(plain.engine.runner.model)

@@ -13,7 +13,12 @@ from typing import Any
 import torch
 
 from brook_engine.bench.gemm import measure_gemm_flops
-from brook_engine.bench.machine import machine_info, machine_line, model_product_rate
+from brook_engine.bench.machine import (
+    machine_info,
+    machine_line,
+    model_parameters,
+    model_product_rate,
+)
 from brook_engine.bench.run import BenchReport, run_engine
 from brook_engine.bench.workload import Workload, random_workload_for
 from brook_engine.core.llm_engine import LLMEngine
@@ -121,7 +126,7 @@ def _brook_round(args: argparse.Namespace, options: dict[str, Any]) -> tuple[Ben
     # runs at, measured now (the large-GEMM figure drifts with what the kernel keeps in cache).
     rows = 1 if args.mode == "single" else min(len(workload.prompts), config.scheduler.max_num_seqs)
     products = model_product_rate(engine.runner.model, rows, engine.runner.dtype)
-    params = sum(p.numel() for p in engine.runner.model.parameters())
+    params = model_parameters(engine.runner.model)
     tokens = report.prompt_tokens + report.output_tokens
     report.mfu = 2 * params * tokens / report.elapsed_s / gemm
     report.extra.update(

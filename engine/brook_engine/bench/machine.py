@@ -83,6 +83,16 @@ def _products(model: nn.Module) -> list[tuple[nn.Module, int, int]]:
     return found
 
 
+def model_parameters(model: nn.Module) -> int:
+    """The model's parameter count, W8A16's int8 weights included where a tiled copy for
+    Brook's kernel replaced the plain parameter."""
+    count = sum(p.numel() for p in model.parameters())
+    for module in model.modules():
+        if isinstance(module, Int8Linear) and module.tiled is not None:
+            count += module.in_features * module.out_features - module.weight.numel()
+    return count
+
+
 def model_product_rate(model: nn.Module, rows: int, dtype: torch.dtype, repeats: int = 3) -> float:
     """FLOP/s of the model's own products at ``rows`` rows: each linear layer and the LM head
     once, in order, as a step runs them (the weights stream from memory, not one matrix
