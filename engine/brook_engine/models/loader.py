@@ -9,7 +9,6 @@ tensor is an error that names it.
 from __future__ import annotations
 
 import json
-import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +27,6 @@ from brook_engine.models.llama import CausalLM
 from brook_engine.quant import checkpoint as quant_checkpoint
 from brook_engine.quant.linear import W8A16, Int8Linear, QuantizedHead
 from brook_engine.quant.quantize import quantize
-
-log = logging.getLogger(__name__)
 
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
@@ -149,11 +146,12 @@ def add_one_row_copies(
         )
     copy_type = _COPY_TYPES[choice]
     if choice != "fp16" and cpu_fused.one_row_path(dtype, copy_type) is None:
-        log.warning(
-            "shapes.oneRowWeights %s needs Brook's CPU kernels (see the log above); no copies kept",
-            choice,
+        # Only the kernels read fp32 and bf16 copies: kept without them, they would be memory
+        # taken for nothing (fp16 ones fall back to PyTorch's FP16 product).
+        raise ConfigError(
+            f"shapes.oneRowWeights {choice}: its copies are read by Brook's CPU kernels, which "
+            "do not run here (see the log above); use model, or fp16 for a bfloat16 model"
         )
-        return None
     return keep_one_row_copies(model, copy_type)
 
 

@@ -213,3 +213,18 @@ def test_a_float32_model_keeps_fp32_copies_where_its_weights_are_packed(
     assert torch.allclose(one, reference, atol=1e-4, rtol=1e-4)
     longer = list(range(5, 25))  # more than one row: the packed weights, bit for bit
     assert torch.equal(copies.engine.prompt_logits(longer), plain.engine.prompt_logits(longer))
+
+
+def test_copies_only_the_kernels_read_are_refused_without_them(
+    make_tiny_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cpu_fused, "one_row_path", lambda *args: None)  # no kernels here
+    with pytest.raises(ConfigError, match=r"shapes\.oneRowWeights fp32: .*do not run here"):
+        LLM(
+            str(make_tiny_model("llama")),
+            dtype="float32",
+            max_model_len=128,
+            kv_cache=EXACT_KV,
+            shapes={"one_row_weights": "fp32"},
+            progress=False,
+        )

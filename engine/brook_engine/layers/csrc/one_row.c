@@ -7,7 +7,8 @@
  *
  * Types: the weight is float32, bfloat16 or float16 (`wkind`); x, bias and out share one
  * type (`xkind`: float32, bfloat16 or float16). A float32 weight is read as it is (the
- * stream is twice a 16-bit one's; its paths are the f32 functions below). Paths (`isa`, brook_one_row_isa):
+ * stream is twice a 16-bit one's; its paths are the f32 functions below). Paths (`isa`,
+ * brook_one_row_isa):
  *   3  AVX512-BF16 dot products (bfloat16 x and weight only), eight rows a pass;
  *   2  AVX-512 widening, eight rows a pass;
  *   1  AVX2 + FMA (+ F16C for float16 weights) widening, four rows a pass;
@@ -89,6 +90,13 @@ static void rows_c(const float *xf, const uint16_t *w, const void *bias, void *o
   }
 }
 
+/* The tail of a float32 row past `full`, in order. */
+static inline float tail_sum_f32(const float *xf, const float *row, int64_t full, int64_t in) {
+  float sum = 0.0f;
+  for (int64_t i = full; i < in; i++) sum += row[i] * xf[i];
+  return sum;
+}
+
 /* Portable, float32 weights: sixteen independent sums per row, as rows_c. */
 static void rows_f32_c(const float *xf, const float *w, const void *bias, void *out,
                        int64_t first, int64_t last, int64_t in, int xkind) {
@@ -98,8 +106,7 @@ static void rows_f32_c(const float *xf, const float *w, const void *bias, void *
     float acc[16] = {0};
     for (int64_t i = 0; i < full; i += 16)
       for (int j = 0; j < 16; j++) acc[j] += row[i + j] * xf[i + j];
-    float sum = 0.0f;
-    for (int64_t i = full; i < in; i++) sum += row[i] * xf[i];
+    float sum = tail_sum_f32(xf, row, full, in);
     for (int j = 0; j < 16; j++) sum += acc[j];
     finish(sum, r, bias, out, xkind);
   }
@@ -270,9 +277,8 @@ TARGET2 static void rows_f32_avx2(const float *xf, const float *w, const void *b
       }
     }
     for (int j = 0; j < 4; j++) {
-      float sum = hsum_256(_mm256_add_ps(a[j], b[j]));
-      for (int64_t i = full; i < in; i++) sum += rows[j * in + i] * xf[i];
-      finish(sum, r + j, bias, out, xkind);
+      const float sum = hsum_256(_mm256_add_ps(a[j], b[j]));
+      finish(sum + tail_sum_f32(xf, rows + j * in, full, in), r + j, bias, out, xkind);
     }
   }
   for (; r < last; r++) {
@@ -282,9 +288,8 @@ TARGET2 static void rows_f32_avx2(const float *xf, const float *w, const void *b
       a = _mm256_fmadd_ps(_mm256_loadu_ps(row + i), _mm256_loadu_ps(xf + i), a);
       b = _mm256_fmadd_ps(_mm256_loadu_ps(row + i + 8), _mm256_loadu_ps(xf + i + 8), b);
     }
-    float sum = hsum_256(_mm256_add_ps(a, b));
-    for (int64_t i = full; i < in; i++) sum += row[i] * xf[i];
-    finish(sum, r, bias, out, xkind);
+    const float sum = hsum_256(_mm256_add_ps(a, b));
+    finish(sum + tail_sum_f32(xf, row, full, in), r, bias, out, xkind);
   }
 }
 
@@ -308,9 +313,8 @@ TARGET512 static void rows_f32_512(const float *xf, const float *w, const void *
       }
     }
     for (int j = 0; j < 8; j++) {
-      float sum = _mm512_reduce_add_ps(a[j]);
-      for (int64_t i = full; i < in; i++) sum += rows[j * in + i] * xf[i];
-      finish(sum, r + j, bias, out, xkind);
+      const float sum = _mm512_reduce_add_ps(a[j]);
+      finish(sum + tail_sum_f32(xf, rows + j * in, full, in), r + j, bias, out, xkind);
     }
   }
   for (; r < last; r++) {
@@ -318,9 +322,8 @@ TARGET512 static void rows_f32_512(const float *xf, const float *w, const void *
     const float *row = w + r * in;
     for (int64_t i = 0; i < full; i += 16)
       a = _mm512_fmadd_ps(_mm512_loadu_ps(row + i), _mm512_loadu_ps(xf + i), a);
-    float sum = _mm512_reduce_add_ps(a);
-    for (int64_t i = full; i < in; i++) sum += row[i] * xf[i];
-    finish(sum, r, bias, out, xkind);
+    const float sum = _mm512_reduce_add_ps(a);
+    finish(sum + tail_sum_f32(xf, row, full, in), r, bias, out, xkind);
   }
 }
 
