@@ -57,6 +57,29 @@ def _add_engine_flags(parser: argparse.ArgumentParser, model_required: bool = Tr
         help="quantization.groupSize: with w8a16, a scale per output channel and group of "
         "this many input channels (e.g. 32) instead of one per channel",
     )
+    parser.add_argument(
+        "--offload",
+        choices=["none", "static"],
+        default=None,
+        help="offload.policy: static keeps the weights --device-memory-limit-gb holds on the "
+        "device and streams the rest (brook-engine plan shows which)",
+    )
+    parser.add_argument(
+        "--device-memory-limit-gb",
+        type=float,
+        default=None,
+        help="offload.deviceMemoryLimitGb: GiB of device memory the weights may use",
+    )
+    parser.add_argument(
+        "--cpu-memory-pool-gb",
+        type=float,
+        default=None,
+        help="offload.cpuMemoryPoolGb: GiB of host memory for streamed weights (the rest "
+        "stream from a spill file)",
+    )
+    parser.add_argument(
+        "--prefetch-layers", type=int, default=None, help="offload.prefetchLayers (default 1)"
+    )
 
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -77,6 +100,13 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         options["kv_cache"] = kv
     if getattr(args, "one_row_weights", None):
         options["shapes"] = {"one_row_weights": args.one_row_weights}
+    offload = {
+        name: getattr(args, name, None)
+        for name in ("device_memory_limit_gb", "cpu_memory_pool_gb", "prefetch_layers")
+        if getattr(args, name, None) is not None
+    }
+    if getattr(args, "offload", None) or offload:
+        options["offload"] = {"policy": getattr(args, "offload", None) or "static", **offload}
     if getattr(args, "quantization", None) or getattr(args, "group_size", None):
         options["quantization"] = {
             "weights": args.quantization or "none",
@@ -130,6 +160,27 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve(config)
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from brook_engine.llm import engine_config_from_options
+    from brook_engine.offload.command import memory_plan, read_plan_config
+
+    base = read_plan_config(Path(args.config)) if args.config else None
+    if base is None and not args.model:
+        raise ConfigError("give --config FILE (an engine configuration or a manifest) or --model")
+    options = _engine_options(args)
+    parallel = {k: getattr(args, k) for k in ("tensor", "pipeline") if getattr(args, k)}
+    if parallel:
+        options["parallel"] = parallel
+    config = (
+        engine_config_from_options(args.model, options, base) if options or args.model else base
+    )
+    assert config is not None
+    model_config = Path(args.model_config) if args.model_config else None
+    plan = memory_plan(config, model_config, args.device_memory_gb)
+    print(plan.to_json() if args.json else plan.table())
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from brook_engine.bench.command import bench
 
@@ -172,6 +223,32 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key-env", default=None, help="environment variable with the key")
     serve.add_argument("--api-key-file", default=None, help="file with the API key")
     serve.set_defaults(func=_cmd_serve)
+
+    plan = sub.add_parser(
+        "plan",
+        help="the memory plan: per rank, the weights that stay on the device and those that "
+        "stream, the host pool and the KV cache left (reads config.json only)",
+    )
+    plan.add_argument(
+        "--config", help="engine configuration file or LLMInference manifest; flags override it"
+    )
+    _add_engine_flags(plan, model_required=False)
+    plan.add_argument("--tensor", type=int, default=None, help="parallel.tensor")
+    plan.add_argument("--pipeline", type=int, default=None, help="parallel.pipeline")
+    plan.add_argument(
+        "--model-config",
+        default=None,
+        help="the model's config.json (or its folder) when model.uri is not a local folder",
+    )
+    plan.add_argument(
+        "--device-memory-gb",
+        type=float,
+        default=None,
+        help="GiB of memory per device, for the KV cache the plan leaves (e.g. 64 for an "
+        "Ascend 910B3)",
+    )
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.set_defaults(func=_cmd_plan)
 
     bench = sub.add_parser("bench", help="throughput and latency on a synthetic workload")
     _add_engine_flags(bench)

@@ -11,8 +11,17 @@ from brook_engine.config.sections import EngineSections
 def unsupported_settings(sections: EngineSections) -> list[str]:
     """One message per setting this build cannot honour, naming the field and the fix."""
     problems = []
-    if sections.offload.policy != "none":
-        problems.append("offload.policy: weight offload is not available yet; use none")
+    if sections.offload.policy == "adaptive":
+        problems.append(
+            "offload.policy: the adaptive policy is not available yet; use static (a plan "
+            "fixed at start-up from deviceMemoryLimitGb) or none"
+        )
+    if sections.offload.policy != "none" and sections.shapes.one_row_weights != "model":
+        problems.append(
+            "shapes.oneRowWeights: one-row copies would double the weights that offload "
+            "keeps under its budget; use model with offload.policy "
+            f"{sections.offload.policy}"
+        )
     quantization = sections.quantization
     if quantization.group_size is not None and quantization.weights == "none":
         problems.append(

@@ -155,9 +155,11 @@ class LLMEngine:
         """Stop the other ranks and leave the group (a no-op for a single process)."""
         with self._shutdown_lock:
             comm, self.comm = self.comm, None
-            if comm is None:
-                return
             runner = getattr(self, "runner", None)
+            if comm is None:
+                if runner is not None:
+                    runner.stop_streaming()
+                return
             if self.workers is not None:
                 self.workers.stopping = True
             if runner is not None:

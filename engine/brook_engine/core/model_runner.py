@@ -34,6 +34,8 @@ from brook_engine.layers.rotary import RotaryEmbedding
 from brook_engine.layers.sampler import SampleResult
 from brook_engine.models.arch import ModelArch
 from brook_engine.models.loader import add_one_row_copies, load_model
+from brook_engine.offload.setup import rank_plan
+from brook_engine.offload.streamer import WeightStreamer
 from brook_engine.parallel.comm import Communicator, Pending, Sent
 from brook_engine.parallel.overlap import Counters, micro_batch_adaptation
 from brook_engine.parallel.plan import SeqChunk, StepPlan, split_micro_batches
@@ -85,6 +87,18 @@ class ModelRunner:
         self.shard = rank_shard(config, arch, topo)
         self.layer_start, self.layer_end = self.shard.layer_start, self.shard.layer_end
         started = time.perf_counter()
+        self.offload_plan = rank_plan(
+            config,
+            arch.shape,
+            self.device,
+            self.dtype,
+            topo.rank,
+            topo.stage,
+            topo.tp_rank,
+            (self.shard.layer_start, self.shard.layer_end or arch.num_layers),
+            self.shard.first_stage,
+            self.shard.last_stage,
+        )
         self.model, self.weight_bytes = load_model(
             arch,
             folder,
@@ -95,6 +109,7 @@ class ModelRunner:
             progress and topo.is_driver,
             config.quantization.weights,
             config.quantization.group_size,
+            self.offload_plan,
         )
         copies = add_one_row_copies(
             self.model, config.shapes.one_row_weights, self.dtype, self.device
@@ -154,11 +169,16 @@ class ModelRunner:
                 self._calibration_prefill,
                 [layer.self_attn for layer in self.model.model.layers],
                 lambda at: self.rotary.lookup(at.to(self.device)),
+                self.model.streamer.holding
+                if isinstance(self.model.streamer, WeightStreamer)
+                else None,
             ),
             comm,
         )
         self.kv_layout, self.calibration = kv.layout, kv.calibration
         self.num_blocks, self.caches = kv.num_blocks, kv.caches
+        if isinstance(self.model.streamer, WeightStreamer):
+            self.model.streamer.reset_stats()  # count serving's transfers, not start-up's
         self.sampler = ChunkSampler(self.device)
         self.replica = gather_replica_facts(
             ReplicaFacts(
@@ -291,7 +311,9 @@ class ModelRunner:
             self.last_plan_time = time.monotonic()
 
     def shutdown(self) -> None:
-        """Rank 0: let the other ranks exit; every rank: leave the group."""
+        """Rank 0: let the other ranks exit; every rank: leave the group (and stop streaming
+        weights)."""
+        self.stop_streaming()
         if self.comm is None:
             return
         if self.topology.is_driver:
@@ -306,6 +328,12 @@ class ModelRunner:
             except RuntimeError as exc:  # rank 0 already gone
                 log.debug("last messages not delivered: %s", exc)
         self.comm.close()
+
+    def stop_streaming(self) -> None:
+        """Stop weight offload's copy thread and close its spill file (idempotent)."""
+        streamer = self.model.streamer
+        if isinstance(streamer, WeightStreamer):
+            streamer.close()
 
     # -- the step (every rank) -------------------------------------------------------------
 

@@ -13,23 +13,18 @@ from dataclasses import dataclass
 from brook_engine.config import EngineConfig, KVDType
 from brook_engine.layers.tensor_parallel import Shard
 from brook_engine.models.arch import ModelArch
+from brook_engine.offload.plan import stage_layer_counts as plan_stage_layer_counts
 from brook_engine.parallel.comm import Communicator
-from brook_engine.parallel.topology import Topology, split_layers, stage_bounds
+from brook_engine.parallel.topology import Topology, stage_bounds
 
 log = logging.getLogger(__name__)
 
 
 def stage_layer_counts(config: EngineConfig, arch: ModelArch) -> list[int]:
     """Layers per pipeline stage: as configured, else balanced by cost, the LM head (and
-    sampling) counted against the last stage in units of one decoder layer."""
-    par = config.parallel
-    if par.stage_layers is not None:
-        return list(par.stage_layers)
-    h, i = arch.hidden_size, arch.intermediate_size
-    layer = h * (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
-    layer += arch.num_heads * arch.head_dim * h + 3 * h * i
-    head = h * arch.vocab_size
-    return split_layers(arch.num_layers, par.pipeline, 1.0, 0.0, head / layer)
+    sampling) counted against the last stage in units of one decoder layer (the memory
+    plan's rule, ``offload.plan.stage_layer_counts``)."""
+    return plan_stage_layer_counts(config, arch.shape)
 
 
 def rank_shard(config: EngineConfig, arch: ModelArch, topology: Topology) -> Shard:

@@ -24,9 +24,11 @@ still runs where a policy names INT8 (its scales come from it), with no fallback
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -336,11 +338,13 @@ def calibrate_layers(
     dynamic: DynamicPrecisionConfig,
     num_tokens: int,
     max_positions: int,
+    hold: Callable[[int], AbstractContextManager[None]] | None = None,
 ) -> Calibration:
     """Calibrate a rank's layers: ``run_prefill`` runs one prefill of the ``num_tokens``
     calibration tokens with exact KV while each of the ``attention`` modules' inputs is
     captured; the layers' q, k, v are then projected again from them (``project(x,
-    rotary_at(positions))``) wherever a measurement needs them."""
+    rotary_at(positions))``, inside ``hold(layer)`` where weights stream) wherever a
+    measurement needs them."""
     captured: list[Any] = [None] * len(attention)
 
     def capture(index: int, _module: Any, args: tuple[Any, ...]) -> None:
@@ -357,12 +361,16 @@ def calibrate_layers(
             hook.remove()
     fit_at, measure_at = calibration_positions(num_tokens, max_positions)
 
-    def placed(layer: Any, x: torch.Tensor) -> Callable[[torch.Tensor], Projected]:
-        return lambda at: layer.project(x, rotary_at(at))
+    def placed(index: int, layer: Any, x: torch.Tensor) -> Callable[[torch.Tensor], Projected]:
+        def project(at: torch.Tensor) -> Projected:
+            with hold(index) if hold is not None else contextlib.nullcontext():
+                return layer.project(x, rotary_at(at))  # type: ignore[no-any-return]
+
+        return project
 
     samples = [
-        LayerSample(placed(layer, x), fit_at, measure_at, layer.scale)
-        for layer, x in zip(attention, captured, strict=True)
+        LayerSample(placed(i, layer, x), fit_at, measure_at, layer.scale)
+        for i, (layer, x) in enumerate(zip(attention, captured, strict=True))
     ]
     # Dynamic precision off: the pass only fits INT8 layers; nothing moves.
     threshold = dynamic.sensitivity_threshold if dynamic.enabled else None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -52,6 +53,9 @@ class CalibrationPass:
     prefill: Callable[[list[LayerKVCache], list[int]], None]
     attention: list[Any]
     rotary_at: Callable[[torch.Tensor], Any]
+    #: ``hold(i)``: a context in which layer ``i``'s weights are in place (weight offload
+    #: streams them in for the layer's turn only); None: always in place.
+    hold: Callable[[int], AbstractContextManager[None]] | None = None
 
 
 def set_up_kv_cache(
@@ -109,4 +113,5 @@ def _calibrate(
         config.kv_cache.dynamic_precision,
         len(ids),
         max_model_len,
+        hold=calibration_pass.hold,
     )

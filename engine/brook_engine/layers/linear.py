@@ -137,6 +137,8 @@ def pack_cpu_weights(model: nn.Module) -> int:
             continue
         if getattr(module, "quantized", None) is not None:
             continue  # a W8A16 head multiplies by its int8 copy
+        if getattr(module, "streamed", False):
+            continue  # an offloaded piece: its slot holds the plain layout
         if weight.is_mkldnn or weight.device.type != "cpu" or weight.dim() != 2:
             continue
         if not cpu_packing_supported(weight.dtype):

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from brook_engine.config import ConfigError, ModelConfig, ModelFacts, split_model_uri
+from brook_engine.offload.plan import ModelShape
 
 #: Architectures the engine runs, and whether their q/k/v projections carry a bias.
 SUPPORTED_ARCHITECTURES = {
@@ -71,6 +72,25 @@ class ModelArch:
         per_token += (self.num_heads + 2 * self.num_kv_heads) * self.head_dim // tensor
         per_token += 3 * self.intermediate_size // tensor  # gate_up output and its product
         return max_tokens * per_token * itemsize + max_seqs * self.vocab_size * 4
+
+    @property
+    def shape(self) -> ModelShape:
+        """What the memory plan needs (``offload.plan``)."""
+        return ModelShape(
+            architecture=self.architecture,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            vocab_size=self.vocab_size,
+            tie_word_embeddings=self.tie_word_embeddings,
+            qkv_bias=self.qkv_bias,
+            o_bias=self.o_bias,
+            mlp_bias=self.mlp_bias,
+            max_position_embeddings=self.max_position_embeddings,
+        )
 
     @property
     def facts(self) -> ModelFacts:

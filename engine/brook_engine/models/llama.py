@@ -36,6 +36,14 @@ from brook_engine.quant.linear import W8A16, Int8Linear, QuantizedHead
 Rotary = tuple[torch.Tensor, torch.Tensor]
 
 
+class LayerStreamer(Protocol):
+    """Weight offload's hooks around each of the stage's layers (``offload.streamer``)."""
+
+    def before_layer(self, layer: int) -> None: ...
+
+    def after_layer(self, layer: int) -> None: ...
+
+
 class Reduction(Protocol):
     """An all-reduce in flight."""
 
@@ -219,6 +227,8 @@ class CausalLM(nn.Module):
         )
         self.tie_embeddings()
         self.row_decoding = RowDecoding()
+        # Weight offload (set by the loader): fills streamed pieces' slots around each layer.
+        self.streamer: LayerStreamer | None = None
 
     def tie_embeddings(self) -> None:
         """Share the embedding with the LM head when the model ties them and this rank
@@ -242,9 +252,14 @@ class CausalLM(nn.Module):
         delta: torch.Tensor | None = None
         # One token of one sequence on CPU: a layer per kernel call where it can (decode_row).
         row = self.row_decoding.begin(x, meta, cos_sin)
-        for layer, cache in zip(self.model.layers, caches, strict=True):
+        streamer = self.streamer
+        for i, (layer, cache) in enumerate(zip(self.model.layers, caches, strict=True)):
+            if streamer is not None:
+                streamer.before_layer(i)
             done = row.layer(layer, cache, x, delta) if row is not None else None
             x, delta = done if done is not None else layer(x, delta, cos_sin, cache, meta)
+            if streamer is not None:
+                streamer.after_layer(i)
         norm = self.model.norm
         if norm is not None:
             return norm.add_norm(x, delta)[0]
@@ -265,7 +280,10 @@ class CausalLM(nn.Module):
         xs = [embed(inputs) if embed is not None else inputs for inputs, _, _ in batches]
         rotations = [rotary.lookup(positions) for _, positions, _ in batches]
         pending: list[Reduction | None] = [None] * len(batches)
-        for layer, cache in zip(self.model.layers, caches, strict=True):
+        streamer = self.streamer
+        for i_layer, (layer, cache) in enumerate(zip(self.model.layers, caches, strict=True)):
+            if streamer is not None:
+                streamer.before_layer(i_layer)
             for part in (0, 1):
                 for i, (_, _, meta) in enumerate(batches):
                     reduction = pending[i]
@@ -273,6 +291,9 @@ class CausalLM(nn.Module):
                         xs[i] = xs[i] + reduction.wait()
                     out = layer.partial(part, xs[i], rotations[i], cache, meta)  # type: ignore[operator]
                     pending[i] = reduce_async(out)
+            if streamer is not None:
+                # the reductions still in flight read the layer's outputs, not its weights
+                streamer.after_layer(i_layer)
         for i, reduction in enumerate(pending):
             if reduction is not None:
                 xs[i] = xs[i] + reduction.wait()

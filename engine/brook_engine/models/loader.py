@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from tqdm import tqdm
 
 from brook_engine.config import ConfigError
@@ -24,6 +25,9 @@ from brook_engine.layers.linear import keep_one_row_copies, pack_cpu_weights
 from brook_engine.layers.tensor_parallel import Shard, TensorComm
 from brook_engine.models.arch import ModelArch
 from brook_engine.models.llama import CausalLM
+from brook_engine.offload.ledger import WeightLedger
+from brook_engine.offload.plan import RankPlan
+from brook_engine.offload.setup import stream_pieces
 from brook_engine.quant import checkpoint as quant_checkpoint
 from brook_engine.quant.linear import W8A16, Int8Linear, QuantizedHead
 from brook_engine.quant.quantize import quantize
@@ -61,14 +65,18 @@ def load_model(
     progress: bool,
     weights: str = "none",
     group_size: int | None = None,
+    offload: RankPlan | None = None,
 ) -> tuple[CausalLM, int]:
     """This rank's part of the model, built without memory first, then filled from the
-    checkpoint; and the bytes its weights take (on CPU with the oneDNN-packed copies).
+    checkpoint; and the device bytes its weights take (on CPU with the oneDNN-packed copies).
 
     ``weights`` is ``quantization.weights``: ``w8a16`` quantizes a float checkpoint's
     projections as they are read (one tensor in float at a time) or reads a W8A16
     compressed-tensors checkpoint as it is, and gives the LM head an int8 copy;
-    ``group_size`` is ``quantization.groupSize``."""
+    ``group_size`` is ``quantization.groupSize``. ``offload``: this rank's memory plan; its
+    streamed pieces are read one at a time into the host pool or the spill file and bound
+    to their device slots (``model.streamer``), and the weight ledger holds every device
+    allocation to the budget."""
     stored = quant_checkpoint.read_quantization(folder)
     if stored is not None and weights != stored.scheme:
         raise ConfigError(
@@ -79,19 +87,72 @@ def load_model(
     int8 = _w8a16(weights, group_size, stored, folder)
     with torch.device("meta"):
         model = CausalLM(arch, dtype, shard, comm, int8)
-    model.to_empty(device=device)
+    ledger = WeightLedger(offload.budget_bytes if offload is not None else None)
+    streamed = streamed_modules(model, offload)
+    if offload is not None:
+        ledger.charge(sum(offload.fixed_bytes.values()), "fixed", "the embedding, head and norms")
+        for layer, kind in offload.resident:
+            ledger.charge(offload.piece_bytes[kind], "resident", f"layer {layer}'s {kind}")
+    for name, module in model.named_modules():
+        if not any(name == s or name.startswith(f"{s}.") for s in streamed):
+            module.to_empty(device=device, recurse=False)
     model.tie_embeddings()
-    load_weights(model, folder, progress=progress)
+    load_weights(model, folder, progress=progress, skip=tuple(f"{s}." for s in streamed))
     model.eval()
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    resident = [p for n, p in model.named_parameters() if not _under(n, streamed)]
+    weight_bytes = sum(p.numel() * p.element_size() for p in resident)
     if int8 is not None and model.lm_head is not None:
         head = QuantizedHead(model.lm_head.weight, int8.group_for(arch.hidden_size))
         model.lm_head.quantized = head
         weight_bytes += head.nbytes()
     if device.type == "cpu":
         weight_bytes += pack_cpu_weights(model)
-        weight_bytes += sum(m.pack_for_cpu() for m in model.modules() if isinstance(m, Int8Linear))
+        weight_bytes += sum(
+            m.pack_for_cpu()
+            for name, m in model.named_modules()
+            if isinstance(m, Int8Linear) and not _under(name, streamed)
+        )
+    if offload is not None:
+        planned = ledger.held
+        if weight_bytes > planned:  # the plan undercounted: charge the rest (or refuse)
+            ledger.charge(weight_bytes - planned, "resident", "the resident weights as loaded")
+        model.streamer = stream_pieces(
+            model.model.layers,
+            offload,
+            device,
+            ledger,
+            lambda module, name: _load_piece(model, folder, module, name, device),
+            progress,
+        )
+        model.__dict__["ledger"] = ledger  # a plain attribute, not a module
+        weight_bytes = ledger.held
     return model, weight_bytes
+
+
+def streamed_modules(model: CausalLM, offload: RankPlan | None) -> list[str]:
+    """Names of the modules whose weights stream (``model.layers.3.mlp``, …)."""
+    if offload is None:
+        return []
+    start = offload.layers[0]
+    part = {"attention": "self_attn", "ffn": "mlp"}
+    return [f"model.layers.{layer - start}.{part[kind]}" for layer, kind in offload.streamed]
+
+
+def _under(name: str, prefixes: list[str]) -> bool:
+    return any(name.startswith(f"{p}.") or name == p for p in prefixes)
+
+
+def _load_piece(
+    model: CausalLM, folder: Path, module: nn.Module, name: str, device: torch.device
+) -> None:
+    """Fill one streamed piece in host memory from the checkpoint, in the layout its device
+    reads (on CPU, W8A16's tiled copy)."""
+    module.to_empty(device="cpu")
+    load_weights(model, folder, progress=False, only=f"{name}.")
+    if device.type == "cpu":
+        for sub in module.modules():
+            if isinstance(sub, Int8Linear):
+                sub.pack_for_cpu()
 
 
 def _w8a16(
@@ -234,8 +295,21 @@ def _read(f: Any, name: str, place: Placement, width: int) -> torch.Tensor:
     return piece[:, start:end] if place.dim == 1 else piece[start:end]  # type: ignore[no-any-return]
 
 
-def load_weights(model: CausalLM, folder: Path, progress: bool = True) -> None:
-    expected = {name for name, _ in model.named_parameters()}
+def load_weights(
+    model: CausalLM,
+    folder: Path,
+    progress: bool = True,
+    skip: tuple[str, ...] = (),
+    only: str | None = None,
+) -> None:
+    """Fill ``model``'s parameters from the checkpoint; those under a ``skip`` prefix are
+    left alone, and with ``only`` just the parameters under that prefix are filled (an
+    offloaded piece, read on its own)."""
+
+    def wanted(param: str) -> bool:
+        return (only is None or param.startswith(only)) and not param.startswith(skip or ("\0",))
+
+    expected = {name for name, _ in model.named_parameters() if wanted(name)}
     filled: dict[str, int] = {}
     files = checkpoint_files(folder)
     with tqdm(total=len(files), desc="Loading weights", unit="file", disable=not progress) as bar:
@@ -259,12 +333,15 @@ def load_weights(model: CausalLM, folder: Path, progress: bool = True) -> None:
                             f"{path.name}: unexpected tensor {name!r} for {model.arch.architecture}"
                         )
                     for place in targets:
+                        if not wanted(place.param):
+                            continue
                         if part != "float" or _holds_int8(model, place.param):
                             _place_int8(model, f, path, name, part, shape, place, filled)
                         else:
                             _place(model, f, path, name, shape, place, filled)
             bar.update(1)
-    _zero_vocab_padding(model, filled)
+    if only is None:
+        _zero_vocab_padding(model, filled)
     missing = sorted(n for n in expected if filled.get(n, 0) != model.get_parameter(n).shape[0])
     if missing:
         shown = ", ".join(missing[:5]) + (

@@ -48,9 +48,16 @@ CEL_RULES: dict[type[BaseModel], list[Rule]] = {
     LLMInferenceSpec: [
         # What this engine build cannot honour yet (brook_engine.config.supported).
         Rule(
-            "self.offload.policy == 'none'",
-            "offload.policy: weight offload is not available yet; use none",
+            "self.offload.policy != 'adaptive'",
+            "offload.policy: the adaptive policy is not available yet; use static (a plan "
+            "fixed at start-up from deviceMemoryLimitGb) or none",
             ".offload.policy",
+        ),
+        Rule(
+            "self.offload.policy == 'none' || self.shapes.oneRowWeights == 'model'",
+            "shapes.oneRowWeights: one-row copies would double the weights that offload "
+            "keeps under its budget; use model with weight offload",
+            ".shapes.oneRowWeights",
         ),
         Rule(
             "self.quantization.weights == 'none' || self.shapes.oneRowWeights == 'model'",

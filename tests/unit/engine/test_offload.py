@@ -1,0 +1,159 @@
+"""Weight offload on CPU: static plans at several budgets generate exactly what the
+all-resident engine generates (float and W8A16, Llama and Qwen2), the weight ledger never
+passes the budget, the spill file (disk tier) and the host pool both serve pieces, and
+budgets that cannot hold the fixed weights and slots are refused with the numbers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tests.support.greedy_reference import random_prompts
+
+from brook_engine import LLM, SamplingParams
+from brook_engine.config import ConfigError
+from brook_engine.offload.plan import GIB
+from brook_engine.offload.streamer import WeightStreamer
+
+NEW = 24
+EXACT_KV = {
+    "layer_policies": [{"start": 0.0, "end": 1.0, "dtype": "auto"}],
+    "dynamic_precision": {"enabled": False},
+}
+
+
+def _engine(folder: Path, **options: Any) -> LLM:
+    return LLM(
+        str(folder), dtype="float32", device="cpu", kv_cache=EXACT_KV, progress=False, **options
+    )
+
+
+def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _weights(llm: LLM) -> int:
+    return int(llm.engine.runner.weight_bytes)
+
+
+def _runner(llm: LLM) -> Any:
+    return llm.engine.runner
+
+
+@pytest.fixture(scope="module")
+def deep_llama(make_tiny_model: Any) -> Path:
+    return make_tiny_model("llama", num_hidden_layers=20, intermediate_size=512)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5, 0.2])
+@pytest.mark.parametrize("quantization", [None, "w8a16"])
+def test_static_offload_generates_what_resident_weights_do(
+    deep_llama: Path, fraction: float, quantization: str | None
+) -> None:
+    quant = {"quantization": {"weights": quantization}} if quantization else {}
+    prompts = random_prompts(320, [5, 17, 40], seed=3)
+    reference = _engine(deep_llama, **quant)
+    expected = _generate(reference, prompts)
+    total = _weights(reference)
+    reference.close()
+    budget = total * fraction
+    llm = _engine(
+        deep_llama,
+        offload={"policy": "static", "device_memory_limit_gb": budget / GIB},
+        **quant,
+    )
+    try:
+        runner = _runner(llm)
+        plan = runner.offload_plan
+        if fraction < 1.0:
+            assert plan.streamed, "a budget below the weights streams some pieces"
+        else:
+            assert not plan.streamed
+            assert plan.device_bytes == total  # the torch-free plan counts what loads
+        assert runner.weight_bytes <= budget
+        assert _generate(llm, prompts) == expected
+        ledger = runner.model.ledger
+        assert ledger.peak <= budget
+    finally:
+        llm.close()
+
+
+def test_ledger_holds_the_budget_every_step_and_transfers_are_counted(deep_llama: Path) -> None:
+    reference = _engine(deep_llama)
+    total = _weights(reference)
+    reference.close()
+    budget = 0.3 * total
+    llm = _engine(deep_llama, offload={"policy": "static", "device_memory_limit_gb": budget / GIB})
+    try:
+        runner = _runner(llm)
+        streamer = runner.model.streamer
+        assert isinstance(streamer, WeightStreamer)
+        assert streamer.spill is not None  # on CPU the streamed pieces come from disk
+        engine = llm.engine
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        for i, prompt in enumerate(random_prompts(320, [7, 30, 12, 3], seed=5)):
+            engine.add_request(f"r{i}", prompt, params)
+        steps = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+            assert runner.model.ledger.held <= budget
+        assert steps >= 40
+        stats = streamer.snapshot()
+        assert stats.transfers >= steps * len(runner.offload_plan.streamed) // 2
+        assert stats.bytes > 0 and stats.transfer_seconds > 0
+        assert 0.0 <= stats.hidden_ratio <= 1.0
+        assert stats.out_of_turn == 0  # every piece was on its way before its layer asked
+    finally:
+        llm.close()
+
+
+def test_host_pool_tier_serves_pieces_too(deep_llama: Path) -> None:
+    """The tier accelerators stream from (pinned host memory), run on CPU: with a pool that
+    holds half the streamed pieces, the rest come from the spill file."""
+    prompts = random_prompts(320, [9, 21], seed=4)
+    reference = _engine(deep_llama)
+    expected = _generate(reference, prompts)
+    total = _weights(reference)
+    reference.close()
+    llm = _engine(
+        deep_llama,
+        offload={
+            "policy": "static",
+            "device_memory_limit_gb": 0.4 * total / GIB,
+            "cpu_memory_pool_gb": 0.2 * total / GIB,
+        },
+    )
+    try:
+        plan = _runner(llm).offload_plan
+        assert 0 < plan.host_pieces < len(plan.streamed)
+        assert _generate(llm, prompts) == expected
+    finally:
+        llm.close()
+
+
+def test_qwen2_with_biases_streams_exactly(make_tiny_model: Any) -> None:
+    folder = make_tiny_model("qwen2", num_hidden_layers=10, intermediate_size=384)
+    prompts = random_prompts(320, [6, 25], seed=8)
+    reference = _engine(folder)
+    expected = _generate(reference, prompts)
+    total = _weights(reference)
+    reference.close()
+    llm = _engine(folder, offload={"policy": "static", "device_memory_limit_gb": 0.5 * total / GIB})
+    try:
+        assert _runner(llm).offload_plan.streamed
+        assert _generate(llm, prompts) == expected
+    finally:
+        llm.close()
+
+
+def test_a_budget_below_the_fixed_weights_and_slots_is_refused(deep_llama: Path) -> None:
+    with pytest.raises(ConfigError, match=r"deviceMemoryLimitGb: .* cannot hold rank 0's fixed"):
+        _engine(deep_llama, offload={"policy": "static", "device_memory_limit_gb": 1e-6})
+
+
+def test_adaptive_is_refused_until_built(deep_llama: Path) -> None:
+    with pytest.raises(ConfigError, match="adaptive policy is not available yet"):
+        _engine(deep_llama, offload={"policy": "adaptive", "device_memory_limit_gb": 1})
