@@ -10,6 +10,8 @@ from brook_engine.core.model_runner import ModelRunner
 from brook_engine.core.scheduler import Scheduler
 from brook_engine.kv.blocks import BlockManager
 from brook_engine.metrics.stats import EngineStats
+from brook_engine.offload.state import OffloadState
+from brook_engine.offload.streamer import StreamStats, WeightStreamer
 
 
 def engine_stats(
@@ -38,7 +40,29 @@ def engine_stats(
         kv_used_bytes=runner.kv_bytes_by_dtype(blocks.num_used_blocks),
         memory_bytes=runner.memory_bytes(),
         **_parallel_stats(runner),
+        **_offload_stats(runner),
     )
+
+
+def _offload_stats(runner: ModelRunner) -> dict[str, Any]:
+    state = runner.model.__dict__.get("offload")
+    if not isinstance(state, OffloadState):
+        return {}
+    streamer = state.holder.streamer
+    stats = streamer.snapshot() if isinstance(streamer, WeightStreamer) else StreamStats()
+    ledger = state.ledger
+    slots = ledger.by_kind.get("slots", 0)
+    return {
+        "offload_weight_bytes": {
+            "resident": ledger.held - slots,
+            "slots": slots,
+            "streamed": sum(state.piece_bytes[k] for _, k in state.streamed),
+        },
+        "offload_budget_bytes": ledger.budget or 0,
+        "offload_transfer_seconds_total": stats.transfer_seconds,
+        "offload_exposed_seconds_total": stats.exposed_seconds,
+        "offload_plan_changes_total": state.changes,
+    }
 
 
 def _parallel_stats(runner: ModelRunner) -> dict[str, Any]:

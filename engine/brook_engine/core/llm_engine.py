@@ -31,6 +31,8 @@ from brook_engine.kv.prefix import PrefixCache
 from brook_engine.layers.sampler import SampleResult, SamplingFailed
 from brook_engine.metrics.stats import EngineStats, FinishedRequestStats
 from brook_engine.models.arch import ModelArch, resolve_model_folder
+from brook_engine.offload.adaptive import AdaptivePolicy
+from brook_engine.offload.state import OffloadState
 from brook_engine.outputs import RequestOutput
 from brook_engine.parallel.comm import Communicator
 from brook_engine.sampling_params import SamplingParams
@@ -102,6 +104,7 @@ class LLMEngine:
                 "lower model.maxModelLen"
             )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.adaptive = self._adaptive_offload(config)
         self.eos_token_ids = self._eos_ids(folder)
         self._requests: dict[str, Request] = {}
         # Steps started and not yet collected, oldest first (a pipeline runs several).
@@ -118,6 +121,32 @@ class LLMEngine:
             self.runner.num_blocks,
             config.kv_cache.block_size,
             self.runner.load_seconds,
+        )
+
+    def _adaptive_offload(self, config: EngineConfig) -> AdaptivePolicy | None:
+        """``offload.policy: adaptive``: the policy that trades weights for KV blocks."""
+        state = self.runner.model.__dict__.get("offload")
+        if config.offload.policy != "adaptive" or not isinstance(state, OffloadState):
+            return None
+        runner, blocks = self.runner, self.block_manager
+
+        def grow(count: int) -> None:
+            runner.resize_kv(runner.num_blocks + count)
+            blocks.add_blocks(count)
+
+        def shrink(count: int) -> bool:
+            if not blocks.top_blocks_idle(count):
+                return False
+            blocks.remove_top_blocks(count)
+            runner.resize_kv(runner.num_blocks - count)
+            return True
+
+        return AdaptivePolicy(
+            state,
+            runner.kv_layout.bytes_per_token * config.kv_cache.block_size,
+            grow,
+            shrink,
+            list(config.offload.priority_layers),
         )
 
     def _eos_ids(self, folder: Path) -> frozenset[int]:
@@ -323,7 +352,12 @@ class LLMEngine:
         finally:
             for seq in batch.seqs:
                 seq.in_flight = False
-        return self._apply(batch, results)
+        outputs = self._apply(batch, results)
+        if self.adaptive is not None:  # between steps: nothing in flight (one process)
+            self.adaptive.after_step(
+                batch.kv_blocked or batch.num_preempted > 0, self.scheduler.num_waiting
+            )
+        return outputs
 
     def _apply(
         self, batch: ScheduledBatch, results: list[SampleResult | None]

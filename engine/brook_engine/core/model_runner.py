@@ -35,6 +35,7 @@ from brook_engine.layers.sampler import SampleResult
 from brook_engine.models.arch import ModelArch
 from brook_engine.models.loader import add_one_row_copies, load_model
 from brook_engine.offload.setup import rank_plan
+from brook_engine.offload.state import OffloadState
 from brook_engine.offload.streamer import WeightStreamer
 from brook_engine.parallel.comm import Communicator, Pending, Sent
 from brook_engine.parallel.overlap import Counters, micro_batch_adaptation
@@ -110,6 +111,7 @@ class ModelRunner:
             config.quantization.weights,
             config.quantization.group_size,
             self.offload_plan,
+            config,
         )
         copies = add_one_row_copies(
             self.model, config.shapes.one_row_weights, self.dtype, self.device
@@ -215,6 +217,12 @@ class ModelRunner:
         finally:
             self.caches = []
         self._finish_step()
+
+    def resize_kv(self, num_blocks: int) -> None:
+        """Grow or shrink every layer's cache to ``num_blocks`` blocks (between steps)."""
+        for cache in self.caches:
+            cache.resize(num_blocks)
+        self.num_blocks = num_blocks
 
     def kv_bytes_by_dtype(self, num_blocks: int) -> dict[str, int]:
         """Bytes ``num_blocks`` blocks take in this rank's layers of each storage dtype."""
@@ -331,9 +339,9 @@ class ModelRunner:
 
     def stop_streaming(self) -> None:
         """Stop weight offload's copy thread and close its spill file (idempotent)."""
-        streamer = self.model.streamer
-        if isinstance(streamer, WeightStreamer):
-            streamer.close()
+        state = self.model.__dict__.get("offload")
+        if isinstance(state, OffloadState):
+            state.close()
 
     # -- the step (every rank) -------------------------------------------------------------
 

@@ -33,6 +33,7 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     num_preempted: int = 0
+    kv_blocked: bool = False  # a waiting sequence stayed out for want of KV blocks
 
     @property
     def num_tokens(self) -> int:
@@ -114,6 +115,7 @@ class Scheduler:
             num_new = self._fit(seq.num_uncomputed_tokens - shared, budget)
             total = seq.num_computed_tokens + shared + num_new
             if num_new == 0 or not self.block_manager.can_grow(seq.block_table, total):
+                batch.kv_blocked = num_new > 0
                 if shared:  # give the shared blocks back; they are looked up again later
                     self.block_manager.release(seq.block_table, seq)
                 break

@@ -181,6 +181,34 @@ class BlockManager:
                 else:
                     self._free.append(block)
 
+    # -- resizing (weight offload's adaptive policy) ---------------------------------------
+
+    def add_blocks(self, count: int) -> None:
+        """Grow by ``count`` free blocks, numbered after the last."""
+        self._free.extend(range(self.num_blocks, self.num_blocks + count))
+        self._ref_counts.extend([0] * count)
+        self.num_blocks += count
+
+    def top_blocks_idle(self, count: int) -> bool:
+        """Whether the last ``count`` blocks are free or only cached (so they can go)."""
+        if count >= self.num_blocks:
+            return False
+        return all(
+            self._ref_counts[b] == 0 for b in range(self.num_blocks - count, self.num_blocks)
+        )
+
+    def remove_top_blocks(self, count: int) -> None:
+        """Shrink by the last ``count`` blocks, which ``top_blocks_idle`` said are idle."""
+        if not self.top_blocks_idle(count):
+            raise BlockManagerError(f"the last {count} blocks are not all idle")
+        top = set(range(self.num_blocks - count, self.num_blocks))
+        for block in top:
+            if self.cache is not None and self.cache.is_cached(block):
+                self.cache.forget(block)
+        self._free = deque(b for b in self._free if b not in top)
+        del self._ref_counts[self.num_blocks - count :]
+        self.num_blocks -= count
+
     def ref_count(self, block: int) -> int:
         return self._ref_counts[block]
 

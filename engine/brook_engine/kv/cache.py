@@ -193,6 +193,21 @@ class LayerKVCache:
             cache.v_scale = torch.ones(scale_shape, dtype=torch.float32, device=device)
         return cache
 
+    def resize(self, num_blocks: int) -> None:
+        """Hold ``num_blocks`` blocks: the slots kept are copied, new ones are empty (weight
+        offload's adaptive policy grows the cache into memory freed by weights)."""
+        slots = num_blocks * self.block_size
+
+        def resized(t: torch.Tensor, fill: float) -> torch.Tensor:
+            out = torch.full((t.shape[0], slots, t.shape[2]), fill, dtype=t.dtype, device=t.device)
+            keep = min(slots, t.shape[1])
+            out[:, :keep].copy_(t[:, :keep])
+            return out
+
+        self.k, self.v = resized(self.k, 0), resized(self.v, 0)
+        if self.k_scale is not None and self.v_scale is not None:
+            self.k_scale, self.v_scale = resized(self.k_scale, 1), resized(self.v_scale, 1)
+
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [tokens, kv_heads, head_dim] at ``slots`` [tokens]."""
         k, v = self._encode(k, v)

@@ -143,6 +143,13 @@ class PrefixCache:
         self.num_evictions += 1
         return block
 
+    def forget(self, block: int) -> None:
+        """Drop unreferenced cached ``block`` (the cache is shrinking past it)."""
+        self._lru.pop(block)  # the LFU heap skips it lazily
+        entry = self._entries.pop(block)
+        del self._by_key[entry.key]
+        self.num_evictions += 1
+
     def evictable_blocks(self) -> list[int]:
         return list(self._lru)
 

@@ -26,6 +26,8 @@ KV_CACHE_USED_BYTES: Final = "brook_engine_kv_cache_used_bytes"  # label: dtype
 KV_CALIBRATION_ERROR: Final = "brook_engine_kv_calibration_error"  # label: layer
 KV_CACHE_CACHED_BLOCKS: Final = "brook_engine_kv_cache_cached_blocks"  # unreferenced, kept
 MODEL_INFO: Final = "brook_engine_model_info"  # value 1; labels describe model and config
+OFFLOAD_WEIGHT_BYTES: Final = "brook_engine_offload_weight_bytes"  # label: where
+OFFLOAD_BUDGET_BYTES: Final = "brook_engine_offload_budget_bytes"
 
 # Counters.
 REQUESTS_TOTAL: Final = "brook_engine_requests_total"  # label: finish_reason
@@ -38,6 +40,9 @@ PREFIX_CACHE_EVICTIONS_TOTAL: Final = "brook_engine_prefix_cache_evictions_total
 COMM_SECONDS_TOTAL: Final = "brook_engine_comm_seconds_total"  # label: kind
 COMM_EXPOSED_SECONDS_TOTAL: Final = "brook_engine_comm_exposed_seconds_total"
 STAGE_COMPUTE_SECONDS_TOTAL: Final = "brook_engine_stage_compute_seconds_total"  # label: stage
+OFFLOAD_TRANSFER_SECONDS_TOTAL: Final = "brook_engine_offload_transfer_seconds_total"
+OFFLOAD_EXPOSED_SECONDS_TOTAL: Final = "brook_engine_offload_transfer_exposed_seconds_total"
+OFFLOAD_PLAN_CHANGES_TOTAL: Final = "brook_engine_offload_plan_changes_total"
 
 # Histograms (per finished request).
 TIME_TO_FIRST_TOKEN_SECONDS: Final = "brook_engine_time_to_first_token_seconds"
@@ -47,6 +52,7 @@ REQUEST_QUEUE_TIME_SECONDS: Final = "brook_engine_request_queue_time_seconds"
 
 # Label values.
 MEMORY_KINDS: Final = ("weights", "kv_cache", "activations")
+OFFLOAD_WHERE: Final = ("resident", "slots", "streamed")
 FINISH_REASONS: Final = ("stop", "length", "abort", "error")
 COMM_KINDS: Final = ("all_reduce", "all_gather", "p2p", "control")
 

@@ -121,6 +121,26 @@ class EngineMetrics:
             "Compute time per pipeline stage (mean over its tensor-parallel ranks).",
             ["stage"],
         )
+        self.offload_bytes = gauge(
+            names.OFFLOAD_WEIGHT_BYTES,
+            "Weight offload: device bytes of resident weights and of the streaming slots, "
+            "and the bytes that stream from host memory or disk (this rank).",
+            ["where"],
+        )
+        self.offload_budget = gauge(
+            names.OFFLOAD_BUDGET_BYTES, "Weight offload: the device bytes weights may use."
+        )
+        self.offload_transfer = counter(
+            names.OFFLOAD_TRANSFER_SECONDS_TOTAL, "Weight offload: time spent streaming weights."
+        )
+        self.offload_exposed = counter(
+            names.OFFLOAD_EXPOSED_SECONDS_TOTAL,
+            "Weight offload: streaming time compute did not hide (layers waited for it).",
+        )
+        self.offload_changes = counter(
+            names.OFFLOAD_PLAN_CHANGES_TOTAL,
+            "Weight offload: pieces moved between resident and streamed (adaptive policy).",
+        )
         self.ttft = histogram(
             names.TIME_TO_FIRST_TOKEN_SECONDS,
             "Arrival to first generated token.",
@@ -174,8 +194,14 @@ class EngineMetrics:
                 self.stage_compute.labels(stage=str(stage)).inc(seconds - previous_stage)
         for kind, value in stats.memory_bytes.items():
             self.memory.labels(kind=kind).set(value)
+        for where, value in stats.offload_weight_bytes.items():
+            self.offload_bytes.labels(where=where).set(value)
+        self.offload_budget.set(stats.offload_budget_bytes)
         last = self._last
         for metric, field in (
+            (self.offload_transfer, "offload_transfer_seconds_total"),
+            (self.offload_exposed, "offload_exposed_seconds_total"),
+            (self.offload_changes, "offload_plan_changes_total"),
             (self.prompt_tokens, "num_prompt_tokens_total"),
             (self.generation_tokens, "num_generation_tokens_total"),
             (self.preemptions, "num_preemptions_total"),

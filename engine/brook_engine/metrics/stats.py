@@ -32,6 +32,13 @@ class EngineStats:
     stage_compute_seconds_total: tuple[float, ...] = ()  # per pipeline stage, mean over ranks
     micro_batches: int = 1
     memory_bytes: dict[str, int] = field(default_factory=dict)  # kind -> bytes
+    # weight offload (this rank's): device bytes by where they are (resident, slots) and the
+    # bytes that stream; transfer time, the part compute did not hide, plan changes
+    offload_weight_bytes: dict[str, int] = field(default_factory=dict)
+    offload_budget_bytes: int = 0
+    offload_transfer_seconds_total: float = 0.0
+    offload_exposed_seconds_total: float = 0.0
+    offload_plan_changes_total: int = 0
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from brook_engine.config import ConfigError
+from brook_engine.config import ConfigError, EngineConfig
 from brook_engine.layers import cpu_fused
 from brook_engine.layers.linear import keep_one_row_copies, pack_cpu_weights
 from brook_engine.layers.tensor_parallel import Shard, TensorComm
@@ -27,7 +27,7 @@ from brook_engine.models.arch import ModelArch
 from brook_engine.models.llama import CausalLM
 from brook_engine.offload.ledger import WeightLedger
 from brook_engine.offload.plan import RankPlan
-from brook_engine.offload.setup import stream_pieces
+from brook_engine.offload.setup import set_up_offload
 from brook_engine.quant import checkpoint as quant_checkpoint
 from brook_engine.quant.linear import W8A16, Int8Linear, QuantizedHead
 from brook_engine.quant.quantize import quantize
@@ -66,6 +66,7 @@ def load_model(
     weights: str = "none",
     group_size: int | None = None,
     offload: RankPlan | None = None,
+    config: EngineConfig | None = None,
 ) -> tuple[CausalLM, int]:
     """This rank's part of the model, built without memory first, then filled from the
     checkpoint; and the device bytes its weights take (on CPU with the oneDNN-packed copies).
@@ -113,18 +114,22 @@ def load_model(
             if isinstance(m, Int8Linear) and not _under(name, streamed)
         )
     if offload is not None:
+        assert config is not None, "offload needs the engine configuration"
         planned = ledger.held
         if weight_bytes > planned:  # the plan undercounted: charge the rest (or refuse)
             ledger.charge(weight_bytes - planned, "resident", "the resident weights as loaded")
-        model.streamer = stream_pieces(
+        state = set_up_offload(
+            model,
             model.model.layers,
             offload,
+            config,
             device,
             ledger,
             lambda module, name: _load_piece(model, folder, module, name, device),
             progress,
         )
-        model.__dict__["ledger"] = ledger  # a plain attribute, not a module
+        model.__dict__["offload"] = state  # plain attributes, not modules
+        model.__dict__["ledger"] = ledger
         weight_bytes = ledger.held
     return model, weight_bytes
 

@@ -78,11 +78,15 @@ def pack(module: nn.Module, handles: list[Handle], out: torch.Tensor) -> None:
 def bind(handles: list[Handle], slot: torch.Tensor) -> None:
     """Point every handle's holder at its view of ``slot``."""
     for h in handles:
-        view = slot[h.offset : h.offset + h.nbytes].view(h.dtype).view(h.shape)
-        if h.how == "param":
-            param = h.owner._parameters[h.name]  # type: ignore[attr-defined]
-            param.data = view
-        elif h.how == "attr":
-            setattr(h.owner, h.name, view)
-        else:
-            object.__setattr__(h.owner, h.name, view)  # a frozen dataclass (TiledWeight)
+        point(h, slot[h.offset : h.offset + h.nbytes].view(h.dtype).view(h.shape))
+
+
+def point(h: Handle, tensor: torch.Tensor) -> None:
+    """Make ``h``'s holder hold ``tensor``."""
+    if h.how == "param":
+        param = h.owner._parameters[h.name]  # type: ignore[attr-defined]
+        param.data = tensor
+    elif h.how == "attr":
+        setattr(h.owner, h.name, tensor)
+    else:
+        object.__setattr__(h.owner, h.name, tensor)  # a frozen dataclass (TiledWeight)

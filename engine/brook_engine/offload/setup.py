@@ -1,89 +1,47 @@
-"""Setting a rank's streamed pieces up at load time: allocate the ring's slots (charged to
-the ledger), read each streamed piece on its own into host memory, put its bytes in the host
-pool or the spill file, and bind its tensors to its slot. At most one streamed piece is
-ever held in float or unpacked form, so loading never needs the whole model in memory."""
+"""Setting a rank's offload up at load time: its plan from this process's device, the
+pieces streamed into their tiers one at a time (at most one is ever held unpacked, so
+loading never needs the whole model in memory), then the rings."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from brook_engine.config import EngineConfig
 from brook_engine.offload.ledger import WeightLedger
-from brook_engine.offload.payload import bind, layout, pack
-from brook_engine.offload.plan import PIECE_KINDS, ModelShape, RankPlan, Target, plan_rank
-from brook_engine.offload.streamer import Ring, WeightStreamer
-from brook_engine.offload.tiers import HostPool, SpillFile
-
-_PART = {"attention": "self_attn", "ffn": "mlp"}
+from brook_engine.offload.plan import GIB, ModelShape, RankPlan, Target, plan_rank
+from brook_engine.offload.state import OffloadState
 
 
-def stream_pieces(
+def set_up_offload(
+    holder: Any,
     layers: nn.ModuleList,
     plan: RankPlan,
+    config: EngineConfig,
     device: torch.device,
     ledger: WeightLedger,
     load_piece: Callable[[nn.Module, str], None],
     progress: bool,
-) -> WeightStreamer | None:
-    """The streamer of ``plan``'s streamed pieces (None when everything is resident).
-    ``load_piece(module, name)`` fills one piece's module in host memory."""
-    if not plan.streamed:
-        return None
-    start = plan.layers[0]
-    kinds = [k for k in PIECE_KINDS if k in plan.slots]
-    slots: dict[str, list[torch.Tensor]] = {}
-    for kind in kinds:
-        size = plan.piece_bytes[kind]
-        slots[kind] = []
-        for s in range(plan.slots[kind]):
-            ledger.charge(size, "slots", f"{kind} slot {s}")
-            slots[kind].append(torch.empty(size, dtype=torch.uint8, device=device))
-    keys: dict[str, list[int]] = {k: [] for k in kinds}
-    layer_pieces: dict[int, list[tuple[int, int]]] = {}
-    host = HostPool(pinned=device.type != "cpu")
-    spill = SpillFile() if plan.host_pieces < len(plan.streamed) else None
-    accelerator = device.type != "cpu"
-    bar = tqdm(plan.streamed, desc="Offloading weights", unit="piece", disable=not progress)
-    for key, (layer, kind) in enumerate(bar):
-        name = f"model.layers.{layer - start}.{_PART[kind]}"
-        module = layers[layer - start].get_submodule(_PART[kind])
-        load_piece(module, name)
-        handles, size = layout(module)
-        if size != plan.piece_bytes[kind]:
-            raise RuntimeError(
-                f"{name} holds {size} bytes where the memory plan counted "
-                f"{plan.piece_bytes[kind]}; the plan and the loader disagree (a bug)"
-            )
-        in_pool = key < plan.host_pieces
-        buffer = host.new_buffer(size) if in_pool else torch.empty(size, dtype=torch.uint8)
-        pack(module, handles, buffer)
-        if in_pool:
-            host.put(key, buffer)
-        else:
-            assert spill is not None
-            spill.put(key, buffer)
-        position = len(keys[kind])
-        keys[kind].append(key)
-        ring = kinds.index(kind)
-        bind(handles, slots[kind][position % len(slots[kind])])
-        for sub in module.modules():
-            sub.__dict__["streamed"] = True  # packing and one-row copies leave it alone
-        layer_pieces.setdefault(layer - start, []).append((ring, position))
-    staging = None
-    if accelerator and spill is not None:
-        staging = [
-            [torch.empty(t.numel(), dtype=torch.uint8, pin_memory=True) for t in slots[k]]
-            for k in kinds
-        ]
-    rings = [Ring(slots[k], keys[k]) for k in kinds]
+) -> OffloadState:
+    """Store ``plan``'s streamed pieces (``load_piece(module, name)`` fills one in host
+    memory) and start the streamer; ``holder.streamer`` is set."""
+    pool = config.offload.cpu_memory_pool_gb
+    if pool is None and device.type == "cpu":
+        pool_limit: int | None = 0  # on CPU the host is the device's own memory
+    else:
+        pool_limit = None if pool is None else int(pool * GIB)
+    state = OffloadState(
+        plan, layers, device, ledger, holder, pool_limit, config.offload.prefetch_layers
+    )
+    state.load_streamed(load_piece, progress)
     return_freed_memory()
-    return WeightStreamer(device, rings, layer_pieces, host, spill, ledger, staging)
+    state.build_streamer()
+    return state
 
 
 def return_freed_memory() -> None:

@@ -248,10 +248,10 @@ class WeightStreamer:
             self._waits = waits
         return StreamStats(**vars(self.stats))
 
-    def close(self) -> None:
-        """Stop the copy thread and let go of the spill file."""
+    def close(self, keep_tiers: bool = False) -> None:
+        """Stop the copy thread once the fills queued so far are done (the tiers belong to
+        the offload state; ``keep_tiers`` is for a caller laying the rings out again)."""
         if self._thread.is_alive():
             self._queue.put(None)
-            self._thread.join(timeout=10)
-        if self.spill is not None:
-            self.spill.close()
+            self._thread.join(timeout=60)
+        self.snapshot()

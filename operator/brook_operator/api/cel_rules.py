@@ -48,9 +48,10 @@ CEL_RULES: dict[type[BaseModel], list[Rule]] = {
     LLMInferenceSpec: [
         # What this engine build cannot honour yet (brook_engine.config.supported).
         Rule(
-            "self.offload.policy != 'adaptive'",
-            "offload.policy: the adaptive policy is not available yet; use static (a plan "
-            "fixed at start-up from deviceMemoryLimitGb) or none",
+            "self.offload.policy != 'adaptive' || "
+            "(self.parallel.tensor == 1 && self.parallel.pipeline == 1)",
+            "offload.policy: the adaptive policy runs on one device so far; use static with "
+            "parallel.tensor or parallel.pipeline above 1",
             ".offload.policy",
         ),
         Rule(

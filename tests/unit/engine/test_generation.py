@@ -214,7 +214,13 @@ def test_kv_storage_round_trip(kind: Any, tolerance: float) -> None:
 @pytest.mark.parametrize(
     ("options", "text"),
     [
-        ({"offload": {"policy": "static", "device_memory_limit_gb": 1}}, "offload.policy"),
+        (
+            {
+                "offload": {"policy": "adaptive", "device_memory_limit_gb": 1},
+                "parallel": {"tensor": 2},
+            },
+            "offload.policy",
+        ),
         (
             {"quantization": {"weights": "w8a16"}, "shapes": {"one_row_weights": "bf16"}},
             "shapes.oneRowWeights",

@@ -9,10 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 from tests.support.greedy_reference import random_prompts
 
 from brook_engine import LLM, SamplingParams
 from brook_engine.config import ConfigError
+from brook_engine.metrics.prometheus import EngineMetrics
 from brook_engine.offload.plan import GIB
 from brook_engine.offload.streamer import WeightStreamer
 
@@ -106,6 +108,19 @@ def test_ledger_holds_the_budget_every_step_and_transfers_are_counted(deep_llama
         assert stats.bytes > 0 and stats.transfer_seconds > 0
         assert 0.0 <= stats.hidden_ratio <= 1.0
         assert stats.out_of_turn == 0  # every piece was on its way before its layer asked
+        reported = engine.stats()  # what /metrics serves
+        assert reported.offload_weight_bytes["streamed"] > 0
+        assert (
+            0
+            < reported.offload_weight_bytes["resident"] + reported.offload_weight_bytes["slots"]
+            <= budget
+        )
+        assert reported.offload_transfer_seconds_total > 0
+        registry = CollectorRegistry()
+        EngineMetrics(registry, {"model": "m"}).record(reported)
+        text = generate_latest(registry).decode()
+        assert 'brook_engine_offload_weight_bytes{where="streamed"}' in text
+        assert "brook_engine_offload_transfer_exposed_seconds_total" in text
     finally:
         llm.close()
 
@@ -154,6 +169,64 @@ def test_a_budget_below_the_fixed_weights_and_slots_is_refused(deep_llama: Path)
         _engine(deep_llama, offload={"policy": "static", "device_memory_limit_gb": 1e-6})
 
 
-def test_adaptive_is_refused_until_built(deep_llama: Path) -> None:
-    with pytest.raises(ConfigError, match="adaptive policy is not available yet"):
-        _engine(deep_llama, offload={"policy": "adaptive", "device_memory_limit_gb": 1})
+def test_adaptive_under_parallelism_is_refused_until_built(deep_llama: Path) -> None:
+    with pytest.raises(ConfigError, match="adaptive policy runs on one device so far"):
+        _engine(
+            deep_llama,
+            offload={"policy": "adaptive", "device_memory_limit_gb": 1},
+            parallel={"tensor": 2},
+        )
+
+
+def test_adaptive_moves_weights_out_under_kv_pressure_and_back_after(deep_llama: Path) -> None:
+    prompts = random_prompts(320, [20, 33, 17, 28, 40, 25, 31, 22], seed=9)
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    reference = _engine(deep_llama)
+    expected = _generate(reference, prompts)
+    total = _weights(reference)
+    reference.close()
+    kv = {**EXACT_KV, "num_blocks": 8}  # 128 tokens: two or three of these requests at once
+    llm = LLM(
+        str(deep_llama),
+        dtype="float32",
+        device="cpu",
+        kv_cache=kv,
+        max_model_len=128,
+        progress=False,
+        offload={"policy": "adaptive", "device_memory_limit_gb": total / GIB},
+    )
+    try:
+        engine = llm.engine
+        policy = engine.adaptive
+        assert policy is not None
+        policy.pressure_steps, policy.calm_steps, policy.cooldown_steps = 2, 6, 3
+        ledger = engine.runner.model.ledger
+        assert not engine.runner.model.offload.streamed  # the budget holds every weight
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"p{i}", prompt, params)
+        got: dict[str, list[int]] = {}
+        most_blocks = 8
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    got[out.request_id] = list(out.outputs[0].token_ids)
+            assert ledger.held <= ledger.budget
+            most_blocks = max(most_blocks, engine.block_manager.num_blocks)
+            assert engine.runner.num_blocks == engine.block_manager.num_blocks
+        assert [got[f"p{i}"] for i in range(len(prompts))] == expected
+        assert policy.counters.offloaded >= 1 and most_blocks > 8  # weights out, KV in
+        assert engine.runner.model.offload.streamed or policy.counters.restored
+        # pressure gone: one short request at a time, until every piece is back
+        for i in range(40):
+            engine.add_request(f"calm{i}", prompts[0][:5], SamplingParams(max_tokens=4))
+            while engine.has_unfinished_requests():
+                engine.step()
+                assert ledger.held <= ledger.budget
+            if not policy.evicted:
+                break
+        assert policy.counters.restored == policy.counters.offloaded
+        assert engine.block_manager.num_blocks == 8
+        assert not engine.runner.model.offload.streamed
+        assert _generate(llm, prompts[:2]) == expected[:2]  # and it still computes the same
+    finally:
+        llm.close()

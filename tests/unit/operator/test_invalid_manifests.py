@@ -55,7 +55,16 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
         {"spec.quantization.groupSize": 48},
         "spec.quantization.groupSize",
     ),
-    ("offload-not-built", {"spec.offload.policy": "static"}, "spec.offload.policy"),
+    (
+        "adaptive-offload-across-devices",
+        {"spec.offload.policy": "adaptive", "spec.offload.deviceMemoryLimitGb": 20},
+        "spec.offload.policy",
+    ),
+    (
+        "offload-without-budget",
+        {"spec.offload.policy": "static"},
+        "spec.offload.deviceMemoryLimitGb",
+    ),
     ("compile-not-built", {"spec.shapes.mode": "compile"}, "spec.shapes.mode"),
     ("offload-policy-enum", {"spec.offload.policy": "sometimes"}, "spec.offload.policy"),
     ("tp-pp-does-not-fit", {"spec.parallel.tensor": 3}, "spec.parallel"),

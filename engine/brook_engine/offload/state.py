@@ -1,0 +1,244 @@
+"""A rank's offload at run time: every piece of its layers, which of them stream, the tiers
+their bytes live in, the slots of the rings, and the ledger. The static policy builds it
+once at load; the adaptive policy moves pieces between resident and streamed between steps
+(``evict`` / ``restore``), after which the rings are laid out again.
+
+A streamed piece's bytes are written to the host pool or the spill file once and read back
+on every use; a resident piece owns its tensors (on CPU, float weights oneDNN-packed)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from brook_engine.layers.linear import pack_cpu_weights
+from brook_engine.offload.ledger import WeightLedger
+from brook_engine.offload.payload import Handle, bind, layout, pack, point
+from brook_engine.offload.plan import PIECE_KINDS, PieceKind, RankPlan, size_text
+from brook_engine.offload.streamer import Ring, WeightStreamer
+from brook_engine.offload.tiers import HostPool, SpillFile
+
+log = logging.getLogger(__name__)
+
+PART = {"attention": "self_attn", "ffn": "mlp"}
+Key = tuple[int, PieceKind]  # (global layer, kind)
+
+
+@dataclass
+class Piece:
+    layer: int  # global index
+    kind: PieceKind
+    module: nn.Module
+    handles: list[Handle] = field(default_factory=list)  # set while it streams
+
+
+class OffloadState:
+    """One rank's pieces, tiers, slots and ledger; ``holder.streamer`` is kept current."""
+
+    def __init__(
+        self,
+        plan: RankPlan,
+        layers: nn.ModuleList,
+        device: torch.device,
+        ledger: WeightLedger,
+        holder: Any,
+        pool_limit: int | None,
+        prefetch: int,
+    ) -> None:
+        self.plan = plan
+        self.device = device
+        self.ledger = ledger
+        self.holder = holder  # the model: its ``streamer`` attribute is set here
+        self.start = plan.layers[0]
+        self.prefetch = prefetch
+        self.piece_bytes: dict[str, int] = dict(plan.piece_bytes)
+        self.pieces: dict[Key, Piece] = {
+            (i, k): Piece(i, k, layers[i - self.start].get_submodule(PART[k]))
+            for i in range(*plan.layers)
+            for k in PIECE_KINDS
+        }
+        self.streamed: list[Key] = []  # in execution order after ``_sort``
+        self.pool_limit = pool_limit  # bytes; None: no limit
+        self.host = HostPool(pinned=device.type != "cpu")
+        self.spill: SpillFile | None = None
+        self.slots: dict[str, list[torch.Tensor]] = {k: [] for k in PIECE_KINDS}
+        self.changes = 0
+
+    # -- where a streamed piece's bytes live -----------------------------------------------
+
+    def _store(self, piece: Piece, key: int) -> None:
+        """Pack ``piece``'s current tensors into the pool (room permitting) or the spill file
+        under ``key`` and remember their layout."""
+        handles, size = layout(piece.module)
+        if size != self.piece_bytes[piece.kind]:
+            raise RuntimeError(
+                f"layer {piece.layer}'s {piece.kind} holds {size} bytes where the memory plan "
+                f"counted {self.piece_bytes[piece.kind]} (a bug: the plan and the loader "
+                "disagree)"
+            )
+        room = self.pool_limit is None or self.host.nbytes + size <= self.pool_limit
+        buffer = self.host.new_buffer(size) if room else torch.empty(size, dtype=torch.uint8)
+        pack(piece.module, handles, buffer)
+        if room:
+            self.host.put(key, buffer)
+        else:
+            if self.spill is None:
+                self.spill = SpillFile()
+            self.spill.put(key, buffer)
+        piece.handles = handles
+        for sub in piece.module.modules():
+            sub.__dict__["streamed"] = True  # packing and one-row copies leave it alone
+
+    @staticmethod
+    def key_of(piece: Key) -> int:
+        layer, kind = piece
+        return 2 * layer + PIECE_KINDS.index(kind)
+
+    def load_streamed(self, load_piece: Callable[[nn.Module, str], None], progress: bool) -> None:
+        """At load: read each planned streamed piece on its own and store it."""
+        bar = tqdm(
+            self.plan.streamed, desc="Offloading weights", unit="piece", disable=not progress
+        )
+        for layer, kind in bar:
+            piece = self.pieces[(layer, kind)]
+            load_piece(piece.module, f"model.layers.{layer - self.start}.{PART[kind]}")
+            self._store(piece, self.key_of((layer, kind)))
+            self.streamed.append((layer, kind))
+            self._park(piece)
+
+    def _park(self, piece: Piece) -> None:
+        """Point a freshly stored piece at an empty placeholder until its slot is bound, so
+        its host copy is freed (it is not in device memory)."""
+        for h in piece.handles:
+            point(h, torch.empty(0, dtype=h.dtype, device=self.device))
+
+    # -- the rings -------------------------------------------------------------------------
+
+    def build_streamer(self) -> WeightStreamer | None:
+        """Lay the rings out for the current streamed pieces (slots charged or released to
+        match) and start a streamer over them; ``holder.streamer`` is set to it."""
+        old = getattr(self.holder, "streamer", None)
+        if isinstance(old, WeightStreamer):
+            old.close(keep_tiers=True)
+        self.streamed.sort()
+        by_kind: dict[str, list[Key]] = {
+            k: [p for p in self.streamed if p[1] == k] for k in PIECE_KINDS
+        }
+        for kind in PIECE_KINDS:
+            want = min(self.prefetch + 1, len(by_kind[kind]))
+            have = self.slots[kind]
+            size = self.piece_bytes[kind]
+            while len(have) > want:
+                have.pop()
+                self.ledger.release(size, "slots")
+            while len(have) < want:
+                self.ledger.charge(size, "slots", f"{kind} slot {len(have)}")
+                have.append(torch.empty(size, dtype=torch.uint8, device=self.device))
+        rings: list[Ring] = []
+        layer_pieces: dict[int, list[tuple[int, int]]] = {}
+        for kind in PIECE_KINDS:
+            keys = by_kind[kind]
+            if not keys:
+                continue
+            ring_index = len(rings)
+            slots = self.slots[kind]
+            for position, key in enumerate(keys):
+                bind(self.pieces[key].handles, slots[position % len(slots)])
+                layer_pieces.setdefault(key[0] - self.start, []).append((ring_index, position))
+            rings.append(Ring(slots, [self.key_of(k) for k in keys]))
+        streamer = None
+        if rings:
+            staging = None
+            if self.device.type != "cpu" and self.spill is not None:
+                staging = [
+                    [torch.empty(t.numel(), dtype=torch.uint8, pin_memory=True) for t in ring.slots]
+                    for ring in rings
+                ]
+            streamer = WeightStreamer(
+                self.device, rings, layer_pieces, self.host, self.spill, self.ledger, staging
+            )
+            if isinstance(old, WeightStreamer):
+                streamer.stats = old.stats  # the counters run on across layouts
+        self.holder.streamer = streamer
+        return streamer
+
+    # -- moving pieces (the adaptive policy) -----------------------------------------------
+
+    def evict_many(self, keys: list[Key]) -> None:
+        """Make resident pieces stream, then lay the rings out (slots charged last: the
+        pieces' bytes are released first, so the ledger never passes the budget)."""
+        for key in keys:
+            self.evict(key)
+        self.build_streamer()
+
+    def restore_many(self, keys: list[Key]) -> None:
+        """Make streamed pieces resident: the rings laid out without them first (slots
+        released), then each piece charged and read back."""
+        for key in keys:
+            self.streamed.remove(key)
+        self.build_streamer()
+        for key in keys:
+            self.restore(key)
+
+    def evict(self, key: Key) -> int:
+        """Make a resident piece stream (``build_streamer`` then binds it to a slot);
+        returns the device bytes freed."""
+        piece = self.pieces[key]
+        for sub in piece.module.modules():  # oneDNN-packed weights back to the plain layout
+            weight = sub._parameters.get("weight")
+            if weight is not None and weight.is_mkldnn:
+                sub._parameters["weight"] = nn.Parameter(weight.to_dense(), requires_grad=False)
+        self._store(piece, self.key_of(key))
+        self._park(piece)
+        self.ledger.release(self.piece_bytes[piece.kind], "resident")
+        self.streamed.append(key)
+        self.changes += 1
+        return self.piece_bytes[piece.kind]
+
+    def restore(self, key: Key) -> int:
+        """Give a piece taken out of ``streamed`` its own tensors again (repacked for the
+        CPU's products); returns the device bytes it takes."""
+        piece = self.pieces[key]
+        size = self.piece_bytes[piece.kind]
+        self.ledger.charge(size, "resident", f"layer {piece.layer}'s {piece.kind}")
+        flat = torch.empty(size, dtype=torch.uint8)
+        stored = self.key_of(key)
+        source = self.host.buffers.pop(stored, None)
+        if source is not None:
+            flat.copy_(source)
+        else:
+            assert self.spill is not None
+            self.spill.read_into(stored, flat)
+        for h in piece.handles:
+            own = flat[h.offset : h.offset + h.nbytes].view(h.dtype).view(h.shape)
+            point(h, own.to(self.device, copy=True))
+        piece.handles = []
+        for sub in piece.module.modules():
+            sub.__dict__.pop("streamed", None)
+        if self.device.type == "cpu":
+            pack_cpu_weights(piece.module)
+        self.changes += 1
+        return size
+
+    @property
+    def resident_candidates(self) -> list[Key]:
+        return [k for k in self.pieces if k not in set(self.streamed)]
+
+    def describe(self) -> str:
+        return (
+            f"{len(self.streamed)} of {len(self.pieces)} pieces streamed, weights on device "
+            f"{size_text(self.ledger.held)}"
+        )
+
+    def close(self) -> None:
+        streamer = getattr(self.holder, "streamer", None)
+        if isinstance(streamer, WeightStreamer):
+            streamer.close()
+        if self.spill is not None:
+            self.spill.close()
