@@ -13,13 +13,14 @@ import time
 import torch
 
 from brook_engine import LLM, SamplingParams
+from brook_engine.config import ConfigError
 from brook_engine.offload.plan import GIB
 
 
-def _mixed(seed: int, vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
+def _mixed(seed: int, vocab: int, count: int) -> tuple[list[list[int]], list[SamplingParams]]:
     rng = random.Random(seed)
     prompts, params = [], []
-    for _ in range(64):
+    for _ in range(count):
         prompts.append([rng.randrange(100, vocab - 100) for _ in range(rng.randint(32, 256))])
         params.append(
             SamplingParams(temperature=0, max_tokens=rng.randint(16, 256), ignore_eos=True)
@@ -32,6 +33,7 @@ def main() -> None:
     parser.add_argument("model", nargs="?", default="models/SmolLM2-135M-Instruct")
     parser.add_argument("--budgets", default="100,75,50,42,25")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--requests", type=int, default=64)
     args = parser.parse_args()
     torch.set_num_threads(2)
     total = None
@@ -40,12 +42,16 @@ def main() -> None:
         if pct:
             assert total is not None
             offload = {"policy": "static", "device_memory_limit_gb": total * pct / 100 / GIB}
-        llm = LLM(args.model, dtype=args.dtype, progress=False, offload=offload)
+        try:
+            llm = LLM(args.model, dtype=args.dtype, progress=False, offload=offload)
+        except ConfigError as exc:  # a budget below the fixed weights and slots
+            print(f"{pct:>27}%: refused: {exc}", flush=True)
+            continue
         runner = llm.engine.runner
         if total is None:
             total = runner.weight_bytes
         vocab = runner.arch.vocab_size
-        prompts, params = _mixed(0, vocab)
+        prompts, params = _mixed(0, vocab, args.requests)
         started = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         batch = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - started)

@@ -20,13 +20,20 @@ EXACT_KV = {
 
 
 def _engine(folder: Path, tensor: int, pipeline: int, **options: Any) -> LLM:
+    # two micro-batches: tensor parallelism alone then runs forward_interleaved, a pipeline
+    # runs each stage's layers once per micro-batch (both call the streamer's hooks)
     return LLM(
         str(folder),
         dtype="float32",
         device="cpu",
         kv_cache=EXACT_KV,
         progress=False,
-        parallel={"tensor": tensor, "pipeline": pipeline, "timeout_seconds": 60},
+        parallel={
+            "tensor": tensor,
+            "pipeline": pipeline,
+            "timeout_seconds": 60,
+            "micro_batches": 2,
+        },
         **options,
     )
 

@@ -273,6 +273,14 @@ def _print(reports: list[BenchReport], as_json: bool) -> None:
         f"{brook.extra['products_rows']} rows ({brook.extra['products_gflops']:.1f} GFLOP/s, "
         f"measured after the run); preemptions {brook.extra['preemptions']}"
     )
+    offload = brook.extra.get("offload")
+    if offload:
+        print(
+            f"weight offload: {offload['weights_device_mb']:.1f} MiB of weights on the device, "
+            f"{offload['streamed_mb']:.1f} MiB streamed; {offload['transfer_s']:.2f} s of "
+            f"transfers, {offload['hidden_ratio']:.0%} hidden behind compute; "
+            f"{offload['plan_changes']} plan changes"
+        )
     print(machine_line())
     caps = _caps_line()
     if caps is not None and len(reports) > 1:

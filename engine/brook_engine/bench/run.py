@@ -96,6 +96,9 @@ def run_engine(
     peak_blocks = 0
     cache = engine.block_manager.cache
     queries0, hits0 = (cache.num_queries, cache.num_hits) if cache else (0, 0)
+    offload = engine.runner.model.__dict__.get("offload")
+    if offload is not None and offload.holder.streamer is not None:
+        offload.holder.streamer.reset_stats()  # this run's transfers only
     start = time.perf_counter()
     bar = tqdm(total=len(workload.prompts), desc=f"brook ({mode})", disable=not progress)
     groups = (
@@ -146,8 +149,25 @@ def run_engine(
             "prefix_hit_rate": (
                 (cache.num_hits - hits0) / max(1, cache.num_queries - queries0) if cache else 0.0
             ),
+            **({"offload": offload_figures(engine)} if offload is not None else {}),
         },
     )
+
+
+def offload_figures(engine: LLMEngine) -> dict[str, float]:
+    """Weight offload over the run: device and streamed weight bytes, transfer time and the
+    share compute hid, plan changes."""
+    stats = engine.stats()
+    streamer = engine.runner.model.streamer
+    snapshot = streamer.snapshot() if streamer is not None else None  # type: ignore[attr-defined]
+    return {
+        "weights_device_mb": engine.runner.weight_bytes / 2**20,
+        "streamed_mb": stats.offload_weight_bytes.get("streamed", 0) / 2**20,
+        "transfer_s": stats.offload_transfer_seconds_total,
+        "exposed_s": stats.offload_exposed_seconds_total,
+        "hidden_ratio": snapshot.hidden_ratio if snapshot is not None else 1.0,
+        "plan_changes": stats.offload_plan_changes_total,
+    }
 
 
 def greedy_outputs(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -34,6 +34,7 @@ from brook_engine.layers.rotary import RotaryEmbedding
 from brook_engine.layers.sampler import SampleResult
 from brook_engine.models.arch import ModelArch
 from brook_engine.models.loader import add_one_row_copies, load_model
+from brook_engine.offload.plan import with_checkpoint_quantization
 from brook_engine.offload.setup import rank_plan
 from brook_engine.offload.state import OffloadState
 from brook_engine.offload.streamer import WeightStreamer
@@ -89,7 +90,7 @@ class ModelRunner:
         self.layer_start, self.layer_end = self.shard.layer_start, self.shard.layer_end
         started = time.perf_counter()
         self.offload_plan = rank_plan(
-            config,
+            with_checkpoint_quantization(config, arch.extra),
             arch.shape,
             self.device,
             self.dtype,
@@ -223,6 +224,7 @@ class ModelRunner:
         for cache in self.caches:
             cache.resize(num_blocks)
         self.num_blocks = num_blocks
+        self.model.row_decoding.forget()  # its per-layer plans point at the old tensors
 
     def kv_bytes_by_dtype(self, num_blocks: int) -> dict[str, int]:
         """Bytes ``num_blocks`` blocks take in this rank's layers of each storage dtype."""
@@ -244,7 +246,9 @@ class ModelRunner:
                 self.topology.tensor,
                 self.dtype.itemsize,
             )
-        return {"weights": self.weight_bytes, "kv_cache": kv, "activations": activations}
+        state = self.model.__dict__.get("offload")
+        weights = state.ledger.held if isinstance(state, OffloadState) else self.weight_bytes
+        return {"weights": weights, "kv_cache": kv, "activations": activations}
 
     def release(self, request_id: str) -> None:
         self.sampler.release(request_id)

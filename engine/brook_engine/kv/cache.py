@@ -204,9 +204,12 @@ class LayerKVCache:
             out[:, :keep].copy_(t[:, :keep])
             return out
 
-        self.k, self.v = resized(self.k, 0), resized(self.v, 0)
+        # one tensor at a time: the old one is freed before the next is allocated
+        self.k = resized(self.k, 0)
+        self.v = resized(self.v, 0)
         if self.k_scale is not None and self.v_scale is not None:
-            self.k_scale, self.v_scale = resized(self.k_scale, 1), resized(self.v_scale, 1)
+            self.k_scale = resized(self.k_scale, 1)
+            self.v_scale = resized(self.v_scale, 1)
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [tokens, kv_heads, head_dim] at ``slots`` [tokens]."""

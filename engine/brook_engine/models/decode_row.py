@@ -106,6 +106,11 @@ class RowDecoding:
         self._fn: Any = None
         self._lib: ctypes.CDLL | None = None
 
+    def forget(self) -> None:
+        """Drop every layer's plan (and the tensors it keeps alive): weights or caches were
+        moved in place, keeping the objects a plan's key is made of."""
+        self._plans.clear()
+
     def begin(
         self, x: torch.Tensor, meta: AttentionMetadata, cos_sin: tuple[torch.Tensor, torch.Tensor]
     ) -> _Step | None:

@@ -135,8 +135,8 @@ class AdaptivePolicy:
         chosen, blocks = self.evicted[-1]
         if blocks > 0 and not self.shrink_kv(blocks):
             return  # the cache's last blocks are still in use: try again next step
-        self.evicted.pop()
         self.state.restore_many(chosen)
+        self.evicted.pop()
         self.counters.restored += 1
         self.counters.blocks_removed += blocks
         self._changed()

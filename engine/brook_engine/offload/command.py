@@ -14,7 +14,14 @@ import yaml
 
 from brook_engine.config import ConfigError, EngineConfig, parse_engine_config
 from brook_engine.config.model import split_model_uri
-from brook_engine.offload.plan import GIB, MemoryPlan, ModelShape, Target, build_plan
+from brook_engine.offload.plan import (
+    GIB,
+    MemoryPlan,
+    ModelShape,
+    Target,
+    build_plan,
+    with_checkpoint_quantization,
+)
 
 _ACCELERATOR_DEVICE = {"npu": "npu", "cuda": "cuda", "cpu": "cpu"}
 
@@ -105,6 +112,7 @@ def memory_plan(
     data = read_model_config(config, model_config)
     shape = ModelShape.from_config(data)
     config.check_against_model(_facts(shape))
+    config = with_checkpoint_quantization(config, data)
     return build_plan(config, shape, target_for(config, data, memory_gb))
 
 

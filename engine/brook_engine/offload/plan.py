@@ -251,6 +251,12 @@ class MemoryPlan:
                 f"{r.kv.get('blocks', '-')!s:>9} {r.kv.get('tokens', '-')!s:>10} "
                 f"{r.kv.get('sequences', '-')!s:>5}"
             )
+        blocks = [r.kv["blocks"] for r in self.ranks if "blocks" in r.kv]
+        if blocks and len(set(blocks)) > 1:
+            lines.append(
+                f"replica KV cache: {min(blocks)} blocks on every rank (the smallest rank's; "
+                "block ids are shared across the replica)"
+            )
         streamed = {len(r.streamed) for r in self.ranks}
         lines.append(
             "pieces streamed per rank: "
@@ -258,6 +264,24 @@ class MemoryPlan:
             + " (each layer is two pieces: attention and ffn)"
         )
         return "\n".join(lines)
+
+
+def with_checkpoint_quantization(config: EngineConfig, data: Mapping[str, Any]) -> EngineConfig:
+    """``config`` as the loader will run it on the checkpoint ``data`` (its config.json):
+    a compressed-tensors W8A16 checkpoint brings its own group size when the configuration
+    sets none (the loader refuses a different one)."""
+    block = data.get("quantization_config") or data.get("compression_config")
+    if not isinstance(block, Mapping) or config.quantization.group_size is not None:
+        return config
+    groups = block.get("config_groups") or {}
+    if len(groups) != 1:
+        return config  # the loader names what is wrong with it
+    weights = next(iter(groups.values())).get("weights") or {}
+    size = weights.get("group_size") if weights.get("strategy") == "group" else None
+    if size is None:
+        return config
+    quantization = config.quantization.model_copy(update={"group_size": int(size)})
+    return config.model_copy(update={"quantization": quantization})
 
 
 def stage_layer_counts(config: EngineConfig, shape: ModelShape) -> list[int]:

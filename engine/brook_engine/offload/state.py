@@ -82,7 +82,10 @@ class OffloadState:
                 f"counted {self.piece_bytes[piece.kind]} (a bug: the plan and the loader "
                 "disagree)"
             )
-        room = self.pool_limit is None or self.host.nbytes + size <= self.pool_limit
+        staging = 0  # accelerators read disk through pinned staging slots, in the pool too
+        if self.device.type != "cpu":
+            staging = sum((self.prefetch + 1) * n for n in self.piece_bytes.values())
+        room = self.pool_limit is None or self.host.nbytes + size + staging <= self.pool_limit
         buffer = self.host.new_buffer(size) if room else torch.empty(size, dtype=torch.uint8)
         pack(piece.module, handles, buffer)
         if room:
@@ -125,7 +128,10 @@ class OffloadState:
         match) and start a streamer over them; ``holder.streamer`` is set to it."""
         old = getattr(self.holder, "streamer", None)
         if isinstance(old, WeightStreamer):
-            old.close(keep_tiers=True)
+            old.close(keep_tiers=True)  # every copy it issued has landed
+        forget = getattr(getattr(self.holder, "row_decoding", None), "forget", None)
+        if forget is not None:
+            forget()  # one-row plans hold the tensors of the old layout
         self.streamed.sort()
         by_kind: dict[str, list[Key]] = {
             k: [p for p in self.streamed if p[1] == k] for k in PIECE_KINDS

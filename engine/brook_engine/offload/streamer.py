@@ -136,6 +136,7 @@ class WeightStreamer:
                 if not self._accel:  # on accelerators the device's wait is what counts
                     self.stats.exposed_seconds += time.perf_counter() - started
             if fill.error is not None:
+                self._state.pop((r, slot), None)  # the next step asks for it again
                 raise RuntimeError(f"streaming a weight piece failed: {fill.error}") from fill.error
             if self._accel and fill.ready is not None:
                 stream = self._module.current_stream(self.device)
@@ -143,6 +144,8 @@ class WeightStreamer:
                 asked.record(stream)
                 stream.wait_event(fill.ready)  # the device waits, not the host
                 self._waits.append((asked, fill.ready))
+                if len(self._waits) > 4096:  # read the events that completed (bounded lists)
+                    self.snapshot()
 
     def after_layer(self, layer: int) -> None:
         """Layer ``layer`` is done with its slots: start filling them with their next pieces."""
@@ -254,4 +257,6 @@ class WeightStreamer:
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(timeout=60)
+        if self._accel:
+            self._side.synchronize()  # the copies issued have landed before slots change
         self.snapshot()

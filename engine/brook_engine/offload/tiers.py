@@ -58,14 +58,20 @@ class SpillFile:
         self.size = 0
 
     def put(self, key: int, data: torch.Tensor) -> None:
-        """Append a piece's bytes (a CPU uint8 tensor)."""
-        offset = -(-self.size // FILE_ALIGN) * FILE_ALIGN
+        """Write a piece's bytes (a CPU uint8 tensor): over its earlier bytes when the key was
+        written before with the same size (a piece the adaptive policy moves out again),
+        else at the end."""
+        earlier = self.offsets.get(key)
+        if earlier is not None and earlier[1] == data.numel():
+            offset = earlier[0]
+        else:
+            offset = -(-self.size // FILE_ALIGN) * FILE_ALIGN
         view = memoryview(bytes(0)) if data.numel() == 0 else writable(data)
         written = 0
         while written < len(view):
             written += os.pwrite(self.fd, view[written:], offset + written)
         self.offsets[key] = (offset, data.numel())
-        self.size = offset + data.numel()
+        self.size = max(self.size, offset + data.numel())
 
     def read_into(self, key: int, out: torch.Tensor) -> None:
         """Read a piece into ``out`` (a CPU uint8 tensor of its size)."""

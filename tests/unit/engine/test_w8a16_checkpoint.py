@@ -214,3 +214,29 @@ def test_convert_refuses_bad_input(
         engine_cli(["convert", str(source), "--quantize", "w8a16", "--output", str(again), *odd])
         == 1
     )
+
+
+def test_offload_plans_a_quantized_folder_with_its_own_groups(
+    converted: tuple[Path, Path, int | None],
+) -> None:
+    """groupSize unset on a grouped checkpoint: the loader takes the checkpoint's groups, and
+    the memory plan must count their scales too (or streaming a piece would not fit its
+    slot)."""
+    _, output, _ = converted
+    quantization = {"weights": "w8a16"}
+    expected = _greedy(output, quantization=quantization)
+    llm = LLM(
+        str(output),
+        dtype="float32",
+        kv_cache=EXACT_KV,
+        progress=False,
+        quantization=quantization,
+        offload={"policy": "static", "device_memory_limit_gb": 0.00023, "prefetch_layers": 0},
+    )
+    try:
+        assert llm.engine.runner.offload_plan.streamed
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        assert got == expected
+    finally:
+        llm.close()
