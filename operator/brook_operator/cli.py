@@ -9,6 +9,7 @@ import socket
 import sys
 from collections.abc import Sequence
 
+from brook_engine.config import ConfigError
 from brook_operator import __version__, yaml_output
 from brook_operator.api import LLMInference, topology
 from brook_operator.crd.generate import crd_yaml
@@ -40,11 +41,35 @@ def _validated(manifests: list[Manifest]) -> tuple[list[Manifest], int]:
 def _cmd_validate(args: argparse.Namespace) -> int:
     manifests = load_manifests(args.filename)  # ManifestError: main reports it
     valid, count = _validated(manifests)
+    if args.model_config:
+        valid, planned = _planned(valid, args.model_config, args.device_memory_gb)
+        count += planned
     for manifest in valid:
         print(f"{manifest.source}: {manifest.label}: valid")
     if count:
         print(f"{count} problem(s) in {len(manifests) - len(valid)} object(s)", file=sys.stderr)
     return 1 if count else 0
+
+
+def _planned(
+    manifests: list[Manifest], model_config: str, device_memory_gb: float | None
+) -> tuple[list[Manifest], int]:
+    """The manifests whose memory plan fits, each plan printed; problems counted."""
+    from pathlib import Path
+
+    from brook_operator.memory_plan import manifest_plan, read_config_json
+
+    data = read_config_json(Path(model_config))
+    fits: list[Manifest] = []
+    for manifest in manifests:
+        try:
+            plan = manifest_plan(LLMInference.model_validate(manifest.obj), data, device_memory_gb)
+        except ConfigError as exc:
+            print(f"{manifest.source}: {manifest.label}: spec.{exc}", file=sys.stderr)
+            continue
+        print(f"{manifest.source}: {manifest.label}: memory plan\n{plan.table()}")
+        fits.append(manifest)
+    return fits, len(manifests) - len(fits)
 
 
 def _cmd_render(args: argparse.Namespace) -> int:
@@ -203,6 +228,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="check LLMInference manifests offline against the CRD's schema and CEL rules",
     )
     validate.add_argument("-f", "--filename", action="append", required=True, help=files_help)
+    validate.add_argument(
+        "--model-config",
+        help="the model's config.json (or its folder): also check the engine's memory plan "
+        "(weights per rank, what offload streams, the KV cache left) and print it",
+    )
+    validate.add_argument(
+        "--device-memory-gb",
+        type=float,
+        help="with --model-config: GiB of memory per device, for the KV cache the plan leaves",
+    )
     validate.set_defaults(func=_cmd_validate)
 
     render = sub.add_parser(
@@ -312,6 +347,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except ManifestError as exc:  # files that cannot be read as manifests (validate, render)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except ConfigError as exc:  # a --model-config that cannot be read
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
