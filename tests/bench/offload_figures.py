@@ -34,8 +34,9 @@ def main() -> None:
     parser.add_argument("--budgets", default="100,75,50,42,25")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2, help="PyTorch's compute threads")
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     total = None
     for pct in [0, *(int(b) for b in args.budgets.split(","))]:
         offload: dict[str, object] = {"policy": "none"}

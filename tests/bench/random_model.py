@@ -1,5 +1,5 @@
-"""Write a random Llama-shaped model of about 1 GB in bfloat16 (501 M parameters: hidden
-1,536, MLP 4,096, 16 layers, vocabulary 32,000) with SmolLM2's tokenizer, for figures on a
+"""Write a random Llama-shaped model of 1.03 GiB in bfloat16 (554 M parameters: hidden
+1,536, MLP 4,096, 16 layers, vocabulary 49,152) with SmolLM2's tokenizer, for figures on a
 model larger than SmolLM2. Random weights: its tokens mean nothing, its speed is real.
 
 ``python tests/bench/random_model.py OUTPUT_DIR``"""
@@ -19,7 +19,7 @@ SHAPE = {
     "num_hidden_layers": 16,
     "num_attention_heads": 12,
     "num_key_value_heads": 4,
-    "vocab_size": 32000,
+    "vocab_size": 49152,  # the tokenizer's (SmolLM2's): its ids must all be rows
     "max_position_embeddings": 4096,
     "tie_word_embeddings": False,
 }
