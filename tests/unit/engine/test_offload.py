@@ -124,8 +124,11 @@ def test_ledger_holds_the_budget_every_step_and_transfers_are_counted(deep_llama
     total = _weights(reference)
     reference.close()
     budget = 0.3 * total
+    threads = torch.get_num_threads()
     llm = _engine(deep_llama, offload={"policy": "static", "device_memory_limit_gb": budget / GIB})
     try:
+        # one core left to the copy thread while pieces stream (given back at close)
+        assert torch.get_num_threads() == max(1, threads - 1)
         runner = _runner(llm)
         streamer = runner.model.streamer
         assert isinstance(streamer, WeightStreamer)
@@ -160,6 +163,7 @@ def test_ledger_holds_the_budget_every_step_and_transfers_are_counted(deep_llama
         assert "brook_engine_offload_transfer_exposed_seconds_total" in text
     finally:
         llm.close()
+    assert torch.get_num_threads() == threads
 
 
 def test_host_pool_tier_serves_pieces_too(deep_llama: Path) -> None:
