@@ -15,9 +15,8 @@ from typing import Any
 
 import torch
 
-from brook_engine.config import ConfigError, DeviceKind
-
-CPU_KV_CACHE_CAP = 4 << 30
+from brook_engine.config import CPU_KV_CACHE_CAP, ConfigError, DeviceKind
+from brook_engine.host import cpu_has_native_bf16
 
 _side_streams: dict[torch.device, Any] = {}
 
@@ -89,15 +88,6 @@ class Backend:
             free, total = torch.npu.mem_get_info(self.device)  # type: ignore[attr-defined]
             return int(free), int(total)
         return _host_memory()
-
-
-def cpu_has_native_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def _host_memory() -> tuple[int, int]:

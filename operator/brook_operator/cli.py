@@ -57,9 +57,10 @@ def _planned(
     """The manifests whose memory plan fits, each plan printed; problems counted."""
     from pathlib import Path
 
-    from brook_operator.memory_plan import manifest_plan, read_config_json
+    from brook_engine.offload.command import read_config_file
+    from brook_operator.memory_plan import manifest_plan
 
-    data = read_config_json(Path(model_config))
+    data = read_config_file(Path(model_config))
     fits: list[Manifest] = []
     for manifest in manifests:
         try:

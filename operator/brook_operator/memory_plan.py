@@ -4,33 +4,12 @@ cannot hold a rank's weights is refused here, with the numbers, before a pod cra
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
-from brook_engine.config import ConfigError
-from brook_engine.offload.plan import (
-    GIB,
-    MemoryPlan,
-    ModelShape,
-    Target,
-    build_plan,
-    with_checkpoint_quantization,
-)
+from brook_engine.offload.command import plan_for
+from brook_engine.offload.plan import GIB, MemoryPlan, Target
 from brook_operator.api import LLMInference
 from brook_operator.api.spec import to_engine_config
-
-
-def read_config_json(path: Path) -> dict[str, Any]:
-    """A model's ``config.json`` (``path`` is the file or its folder)."""
-    file = path / "config.json" if path.is_dir() else path
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"--model-config: cannot read {file}: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"--model-config: {file} is not a config.json object")
-    return data
 
 
 def manifest_plan(
@@ -43,8 +22,6 @@ def manifest_plan(
     dtype = config.model.dtype
     if dtype == "auto":  # as the engine picks: bf16 on accelerators; on CPU it depends on
         dtype = "bfloat16" if device != "cpu" else "float32"  # the node (float32: the larger)
-    shape = ModelShape.from_config(model_config)
-    config = with_checkpoint_quantization(config, model_config)
     target = Target(
         device=device,
         dtype=dtype,
@@ -52,4 +29,4 @@ def manifest_plan(
         cpu_tiles_int8=device == "cpu",
         device_memory_bytes=None if device_memory_gb is None else int(device_memory_gb * GIB),
     )
-    return build_plan(config, shape, target)
+    return plan_for(config, model_config, target)

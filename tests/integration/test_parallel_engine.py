@@ -14,13 +14,11 @@ from typing import Any
 
 import pytest
 import torch
+from tests.support.parallel_llm import EXACT_KV
+from tests.support.parallel_llm import parallel_llm as _engine
 
 from brook_engine import LLM, SamplingParams
 
-EXACT_KV = {
-    "layer_policies": [{"start": 0.0, "end": 1.0, "dtype": "auto"}],
-    "dynamic_precision": {"enabled": False},
-}
 NEW_TOKENS = 32
 
 
@@ -42,24 +40,6 @@ def _hf_greedy(folder: Path, prompts: list[list[int]], new: int) -> list[list[in
             )
             outs.append(got[0, len(prompt) :].tolist())
     return outs
-
-
-def _engine(folder: Path, tensor: int, pipeline: int, **options: Any) -> LLM:
-    kv = {**EXACT_KV, **options.pop("kv_cache", {})}
-    return LLM(
-        str(folder),
-        dtype="float32",
-        device="cpu",
-        kv_cache=kv,
-        progress=False,
-        parallel={
-            "tensor": tensor,
-            "pipeline": pipeline,
-            "timeout_seconds": 60,
-            **options.pop("parallel", {}),
-        },
-        **options,
-    )
 
 
 def _run(llm: LLM, prompts: list[list[int]], logprobs: bool = False) -> list[Any]:

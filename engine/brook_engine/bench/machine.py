@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from brook_engine.host import cpu_features
 from brook_engine.layers import cpu_kernels
 from brook_engine.layers.linear import Linear
 from brook_engine.layers.tensor_parallel import VocabParallelHead
@@ -47,7 +48,7 @@ def machine_info() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    features = cpu_kernels.cpu_features()
+    features = cpu_features()
     try:
         isa = cpu_kernels.isa_name()
     except ValueError as exc:

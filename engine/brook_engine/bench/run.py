@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from brook_engine.bench.workload import Workload
 from brook_engine.core.llm_engine import LLMEngine
+from brook_engine.offload.streamer import StreamStats
 from brook_engine.sampling_params import SamplingParams
 
 
@@ -96,7 +97,7 @@ def run_engine(
     peak_blocks = 0
     cache = engine.block_manager.cache
     queries0, hits0 = (cache.num_queries, cache.num_hits) if cache else (0, 0)
-    offload = engine.runner.model.__dict__.get("offload")
+    offload = engine.runner.model.offload
     if offload is not None and offload.holder.streamer is not None:
         offload.holder.streamer.reset_stats()  # this run's transfers only
     start = time.perf_counter()
@@ -158,14 +159,16 @@ def offload_figures(engine: LLMEngine) -> dict[str, float]:
     """Weight offload over the run: device and streamed weight bytes, transfer time and the
     share compute hid, plan changes."""
     stats = engine.stats()
-    streamer = engine.runner.model.streamer
-    snapshot = streamer.snapshot() if streamer is not None else None  # type: ignore[attr-defined]
+    transfers = StreamStats(
+        transfer_seconds=stats.offload_transfer_seconds_total,
+        exposed_seconds=stats.offload_exposed_seconds_total,
+    )
     return {
         "weights_device_mb": engine.runner.weight_bytes / 2**20,
         "streamed_mb": stats.offload_weight_bytes.get("streamed", 0) / 2**20,
         "transfer_s": stats.offload_transfer_seconds_total,
         "exposed_s": stats.offload_exposed_seconds_total,
-        "hidden_ratio": snapshot.hidden_ratio if snapshot is not None else 1.0,
+        "hidden_ratio": transfers.hidden_ratio,
         "plan_changes": stats.offload_plan_changes_total,
     }
 

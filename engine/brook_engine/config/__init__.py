@@ -11,6 +11,7 @@ from brook_engine.config.engine import (
 )
 from brook_engine.config.errors import describe_errors, error_message, error_path, field_path
 from brook_engine.config.kv_cache import (
+    CPU_KV_CACHE_CAP,
     DEFAULT_MEMORY_FRACTION,
     DynamicPrecisionConfig,
     KVCacheConfig,
@@ -33,6 +34,7 @@ from brook_engine.config.sections import EngineSections
 from brook_engine.config.server import ApiKeyConfig, ServerConfig, ServerOptions
 
 __all__ = [
+    "CPU_KV_CACHE_CAP",
     "DEFAULT_MEMORY_FRACTION",
     "MODEL_URI_SCHEMES",
     "ApiKeyConfig",

@@ -19,6 +19,21 @@ BlockSize = Literal[8, 16, 32, 64, 128, 256]
 #: Memory fraction used when neither memoryFraction nor numBlocks is set.
 DEFAULT_MEMORY_FRACTION = 0.9
 
+#: On CPU host memory is shared with everything else: the cache is sized from at most this
+#: (unless numBlocks says otherwise), as vLLM's CPU backend does.
+CPU_KV_CACHE_CAP = 4 << 30
+
+#: Bytes of one stored element of each storage kind but ``auto`` (the compute dtype's).
+KV_ELEMENT_BYTES: dict[str, int] = {"fp8_e5m2": 1, "fp8_e4m3": 1, "int8": 1, "fp16": 2, "bf16": 2}
+
+
+def kv_bytes_per_token(kind: KVDType, compute_bytes: int, kv_heads: int, head_dim: int) -> int:
+    """KV bytes one token takes in one layer (keys and values, scales included); torch-free,
+    so the memory plan counts what the cache allocates."""
+    element = compute_bytes if kind == "auto" else KV_ELEMENT_BYTES[kind]
+    scales = 4 * kv_heads if kind == "fp8_e4m3" else 0
+    return 2 * (kv_heads * head_dim * element + scales)
+
 
 class LayerPolicy(Section):
     """The storage dtype of a range of layers, given as fractions of the depth, so one policy

@@ -10,7 +10,6 @@ from brook_engine.core.model_runner import ModelRunner
 from brook_engine.core.scheduler import Scheduler
 from brook_engine.kv.blocks import BlockManager
 from brook_engine.metrics.stats import EngineStats
-from brook_engine.offload.state import OffloadState
 from brook_engine.offload.streamer import StreamStats, WeightStreamer
 
 
@@ -45,8 +44,8 @@ def engine_stats(
 
 
 def _offload_stats(runner: ModelRunner) -> dict[str, Any]:
-    state = runner.model.__dict__.get("offload")
-    if not isinstance(state, OffloadState):
+    state = runner.model.offload
+    if state is None:
         return {}
     streamer = state.holder.streamer
     stats = streamer.snapshot() if isinstance(streamer, WeightStreamer) else StreamStats()

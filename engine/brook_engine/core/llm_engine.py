@@ -32,7 +32,6 @@ from brook_engine.layers.sampler import SampleResult, SamplingFailed
 from brook_engine.metrics.stats import EngineStats, FinishedRequestStats
 from brook_engine.models.arch import ModelArch, resolve_model_folder
 from brook_engine.offload.adaptive import AdaptivePolicy
-from brook_engine.offload.state import OffloadState
 from brook_engine.outputs import RequestOutput
 from brook_engine.parallel.comm import Communicator
 from brook_engine.sampling_params import SamplingParams
@@ -125,8 +124,8 @@ class LLMEngine:
 
     def _adaptive_offload(self, config: EngineConfig) -> AdaptivePolicy | None:
         """``offload.policy: adaptive``: the policy that trades weights for KV blocks."""
-        state = self.runner.model.__dict__.get("offload")
-        if config.offload.policy != "adaptive" or not isinstance(state, OffloadState):
+        state = self.runner.model.offload
+        if config.offload.policy != "adaptive" or state is None:
             return None
         runner, blocks = self.runner, self.block_manager
 

@@ -36,7 +36,6 @@ from brook_engine.models.arch import ModelArch
 from brook_engine.models.loader import add_one_row_copies, load_model
 from brook_engine.offload.plan import with_checkpoint_quantization
 from brook_engine.offload.setup import rank_plan
-from brook_engine.offload.state import OffloadState
 from brook_engine.offload.streamer import WeightStreamer
 from brook_engine.parallel.comm import Communicator, Pending, Sent
 from brook_engine.parallel.overlap import Counters, micro_batch_adaptation
@@ -246,8 +245,8 @@ class ModelRunner:
                 self.topology.tensor,
                 self.dtype.itemsize,
             )
-        state = self.model.__dict__.get("offload")
-        weights = state.ledger.held if isinstance(state, OffloadState) else self.weight_bytes
+        state = self.model.offload
+        weights = state.ledger.held if state is not None else self.weight_bytes
         return {"weights": weights, "kv_cache": kv, "activations": activations}
 
     def release(self, request_id: str) -> None:
@@ -343,8 +342,8 @@ class ModelRunner:
 
     def stop_streaming(self) -> None:
         """Stop weight offload's copy thread and close its spill file (idempotent)."""
-        state = self.model.__dict__.get("offload")
-        if isinstance(state, OffloadState):
+        state = self.model.offload
+        if state is not None:
             state.close()
 
     # -- the step (every rank) -------------------------------------------------------------

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from brook_engine.config import KVDType
+from brook_engine.config.kv_cache import kv_bytes_per_token
 
 _FP8_E4M3_MAX = 448.0
 _INT8_MAX = 127.0
@@ -145,9 +146,7 @@ class Int8Params:
 
 def bytes_per_token(kind: KVDType, compute_dtype: torch.dtype, kv_heads: int, head_dim: int) -> int:
     """KV bytes one token takes in one layer (keys and values, scales included)."""
-    element = storage_dtype(kind, compute_dtype).itemsize
-    scales = 4 * kv_heads if kind == "fp8_e4m3" else 0
-    return 2 * (kv_heads * head_dim * element + scales)
+    return kv_bytes_per_token(kind, compute_dtype.itemsize, kv_heads, head_dim)
 
 
 @dataclass

@@ -32,6 +32,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from brook_engine.host import cpu_features
+
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
@@ -217,16 +219,6 @@ def _declare(opened: ctypes.CDLL) -> None:
         fn = getattr(opened, name)
         fn.restype = restype
         fn.argtypes = argtypes
-
-
-def cpu_features() -> frozenset[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return frozenset(line.partition(":")[2].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def prebuild() -> Path:

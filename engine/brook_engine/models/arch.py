@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -65,15 +66,10 @@ class ModelArch:
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def activation_bytes(self, max_tokens: int, max_seqs: int, tensor: int, itemsize: int) -> int:
-        """Bytes the largest step's activations take on one tensor rank (an estimate where
-        the device keeps no allocator statistics): a step of ``max_tokens`` tokens, and
-        float32 logits for ``max_seqs`` sequences."""
-        per_token = 4 * self.hidden_size
-        per_token += (self.num_heads + 2 * self.num_kv_heads) * self.head_dim // tensor
-        per_token += 3 * self.intermediate_size // tensor  # gate_up output and its product
-        return max_tokens * per_token * itemsize + max_seqs * self.vocab_size * 4
+        """Bytes the largest step's activations take on one tensor rank (``ModelShape``'s)."""
+        return self.shape.activation_bytes(max_tokens, max_seqs, tensor, itemsize)
 
-    @property
+    @cached_property
     def shape(self) -> ModelShape:
         """What the memory plan needs (``offload.plan``)."""
         return ModelShape(
@@ -94,13 +90,7 @@ class ModelArch:
 
     @property
     def facts(self) -> ModelFacts:
-        return ModelFacts(
-            num_layers=self.num_layers,
-            num_attention_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            max_position_embeddings=self.max_position_embeddings,
-            intermediate_size=self.intermediate_size,
-        )
+        return self.shape.facts
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config.json") -> ModelArch:

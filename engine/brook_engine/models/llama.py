@@ -10,7 +10,7 @@ layers, the embedding on the first stage and the final norm and LM head on the l
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,9 @@ from brook_engine.layers.tensor_parallel import (
 from brook_engine.models.arch import ModelArch
 from brook_engine.models.decode_row import RowDecoding
 from brook_engine.quant.linear import W8A16, Int8Linear, QuantizedHead
+
+if TYPE_CHECKING:
+    from brook_engine.offload.state import OffloadState
 
 #: cos and sin of the step's positions, [tokens, 1, head_dim] each
 Rotary = tuple[torch.Tensor, torch.Tensor]
@@ -227,7 +230,9 @@ class CausalLM(nn.Module):
         )
         self.tie_embeddings()
         self.row_decoding = RowDecoding()
-        # Weight offload (set by the loader): fills streamed pieces' slots around each layer.
+        # Weight offload (set by the loader): this rank's pieces, tiers and ledger, and the
+        # streamer that fills streamed pieces' slots around each layer.
+        self.offload: OffloadState | None = None
         self.streamer: LayerStreamer | None = None
 
     def tie_embeddings(self) -> None:

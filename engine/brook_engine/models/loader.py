@@ -95,7 +95,7 @@ def load_model(
         for layer, kind in offload.resident:
             ledger.charge(offload.piece_bytes[kind], "resident", f"layer {layer}'s {kind}")
     for name, module in model.named_modules():
-        if not any(name == s or name.startswith(f"{s}.") for s in streamed):
+        if not _under(name, streamed):
             module.to_empty(device=device, recurse=False)
     model.tie_embeddings()
     load_weights(model, folder, progress=progress, skip=tuple(f"{s}." for s in streamed))
@@ -128,8 +128,7 @@ def load_model(
             lambda module, name: _load_piece(model, folder, module, name, device),
             progress,
         )
-        model.__dict__["offload"] = state  # plain attributes, not modules
-        model.__dict__["ledger"] = ledger
+        model.offload = state
         weight_bytes = ledger.held
     return model, weight_bytes
 

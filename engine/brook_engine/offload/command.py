@@ -14,6 +14,7 @@ import yaml
 
 from brook_engine.config import ConfigError, EngineConfig, parse_engine_config
 from brook_engine.config.model import split_model_uri
+from brook_engine.host import cpu_has_native_bf16
 from brook_engine.offload.plan import (
     GIB,
     MemoryPlan,
@@ -60,6 +61,18 @@ def _engine_part(key: str, value: Any) -> Any:
     return {k: v for k, v in value.items() if k in names}
 
 
+def read_config_file(path: Path) -> dict[str, Any]:
+    """A model's ``config.json`` (``path`` is the file or the folder holding it)."""
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--model-config: cannot read {file}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--model-config: {file} is not a config.json object")
+    return data
+
+
 def read_model_config(config: EngineConfig, model_config: Path | None) -> dict[str, Any]:
     """The model's ``config.json``: ``model_config`` (a file or a folder holding one), else
     the configuration's local model folder."""
@@ -71,58 +84,35 @@ def read_model_config(config: EngineConfig, model_config: Path | None) -> dict[s
                 "config.json with --model-config"
             )
         model_config = Path(rest)
-    path = model_config / "config.json" if model_config.is_dir() else model_config
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"--model-config: cannot read {path}: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: not a config.json object")
-    return data
+    return read_config_file(model_config)
 
 
-def _host_has_native_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def target_for(config: EngineConfig, data: dict[str, Any], memory_gb: float | None) -> Target:
+def target_for(config: EngineConfig, memory_gb: float | None) -> Target:
     """The plan's device: the configuration's (``auto``: cpu here), its dtype (``auto``:
     bfloat16, or float32 on a CPU without native BF16, as the engine picks)."""
     device = config.device if config.device != "auto" else "cpu"
+    native_bf16 = device == "cpu" and cpu_has_native_bf16()
     dtype = config.model.dtype
     if dtype == "auto":
-        dtype = "bfloat16" if device != "cpu" or _host_has_native_bf16() else "float32"
+        dtype = "bfloat16" if device != "cpu" or native_bf16 else "float32"
     return Target(
         device=device,
         dtype=dtype,
-        cpu_packs_float=device == "cpu" and (dtype == "float32" or _host_has_native_bf16()),
+        cpu_packs_float=device == "cpu" and (dtype == "float32" or native_bf16),
         cpu_tiles_int8=device == "cpu",
         device_memory_bytes=None if memory_gb is None else int(memory_gb * GIB),
     )
 
 
+def plan_for(config: EngineConfig, data: dict[str, Any], target: Target) -> MemoryPlan:
+    """The plan of ``config`` on the model of ``config.json`` ``data``: the configuration
+    checked against the model first, a quantized checkpoint's own groups counted."""
+    shape = ModelShape.from_config(data)
+    config.check_against_model(shape.facts)
+    return build_plan(with_checkpoint_quantization(config, data), shape, target)
+
+
 def memory_plan(
     config: EngineConfig, model_config: Path | None, memory_gb: float | None
 ) -> MemoryPlan:
-    data = read_model_config(config, model_config)
-    shape = ModelShape.from_config(data)
-    config.check_against_model(_facts(shape))
-    config = with_checkpoint_quantization(config, data)
-    return build_plan(config, shape, target_for(config, data, memory_gb))
-
-
-def _facts(shape: ModelShape) -> Any:
-    from brook_engine.config import ModelFacts
-
-    return ModelFacts(
-        num_layers=shape.num_layers,
-        num_attention_heads=shape.num_heads,
-        num_kv_heads=shape.num_kv_heads,
-        max_position_embeddings=shape.max_position_embeddings,
-        intermediate_size=shape.intermediate_size,
-    )
+    return plan_for(config, read_model_config(config, model_config), target_for(config, memory_gb))

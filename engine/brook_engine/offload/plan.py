@@ -22,21 +22,19 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from brook_engine.config import ConfigError, EngineConfig
-from brook_engine.config.kv_cache import DEFAULT_MEMORY_FRACTION
+from brook_engine.config import CPU_KV_CACHE_CAP, ConfigError, EngineConfig, ModelFacts
+from brook_engine.config.kv_cache import DEFAULT_MEMORY_FRACTION, kv_bytes_per_token
+from brook_engine.parallel.topology import split_layers
 
 PieceKind = Literal["attention", "ffn"]
 PIECE_KINDS: tuple[PieceKind, ...] = ("attention", "ffn")
 GIB = 1 << 30
-#: The KV cache a CPU engine sizes itself from (``device.CPU_KV_CACHE_CAP``).
-CPU_KV_CACHE_CAP = 4 << 30
 #: Every tensor of a streamed piece starts at a multiple of this in its slot.
 ALIGN = 64
 #: Output channels per tile of Brook's CPU int8 layout (``quant.cpu_int8.TILE``).
 INT8_TILE = 16
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_KV_ELEMENT = {"fp8_e5m2": 1, "fp8_e4m3": 1, "int8": 1, "fp16": 2, "bf16": 2}
 _QKV_BIAS = {"Qwen2ForCausalLM"}
 
 
@@ -96,6 +94,26 @@ class ModelShape:
             )
         except KeyError as exc:
             raise ConfigError(f"{source}: missing {exc.args[0]!r}") from None
+
+    @property
+    def facts(self) -> ModelFacts:
+        """What the configuration's checks need (``EngineConfig.check_against_model``)."""
+        return ModelFacts(
+            num_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            max_position_embeddings=self.max_position_embeddings,
+            intermediate_size=self.intermediate_size,
+        )
+
+    def activation_bytes(self, max_tokens: int, max_seqs: int, tensor: int, itemsize: int) -> int:
+        """Bytes the largest step's activations take on one tensor rank (an estimate where
+        the device keeps no allocator statistics): a step of ``max_tokens`` tokens, and
+        float32 logits for ``max_seqs`` sequences."""
+        per_token = 4 * self.hidden_size
+        per_token += (self.num_heads + 2 * self.num_kv_heads) * self.head_dim // tensor
+        per_token += 3 * self.intermediate_size // tensor  # gate_up output and its product
+        return max_tokens * per_token * itemsize + max_seqs * self.vocab_size * 4
 
 
 @dataclass(frozen=True)
@@ -286,8 +304,6 @@ def with_checkpoint_quantization(config: EngineConfig, data: Mapping[str, Any]) 
 
 def stage_layer_counts(config: EngineConfig, shape: ModelShape) -> list[int]:
     """Layers per pipeline stage (``core.replica.stage_layer_counts``'s rule)."""
-    from brook_engine.parallel.topology import split_layers
-
     par = config.parallel
     if par.stage_layers is not None:
         return list(par.stage_layers)
@@ -297,7 +313,7 @@ def stage_layer_counts(config: EngineConfig, shape: ModelShape) -> list[int]:
     return split_layers(shape.num_layers, par.pipeline, 1.0, 0.0, h * shape.vocab_size / layer)
 
 
-def rank_linears(shape: ModelShape, tensor: int, tp_rank: int) -> dict[PieceKind, list[Linear]]:
+def rank_linears(shape: ModelShape, tensor: int) -> dict[PieceKind, list[Linear]]:
     """The projections of one layer as a tensor rank holds them."""
     d = shape.head_dim
     heads = shape.num_heads // tensor
@@ -320,7 +336,7 @@ def piece_bytes(
     group = config.quantization.group_size
     tiled = int8 and target.device == "cpu" and target.cpu_tiles_int8
     out: dict[str, int] = {}
-    for kind, linears in rank_linears(shape, tensor, 0).items():
+    for kind, linears in rank_linears(shape, tensor).items():
         out[kind] = sum(
             aligned(n)
             for lin in linears
@@ -542,33 +558,19 @@ def kv_capacity(
     kv_heads = max(1, shape.num_kv_heads // tensor)
     start, end = plan.layers
     kinds = kv_cfg.layer_dtypes(shape.num_layers)[start:end]
-    per_token = sum(
-        2
-        * (
-            kv_heads * shape.head_dim * _KV_ELEMENT.get(k, d)
-            + (4 * kv_heads if k == "fp8_e4m3" else 0)
-        )
-        for k in kinds
-    )
+    per_token = sum(kv_bytes_per_token(k, d, kv_heads, shape.head_dim) for k in kinds)
     per_block = max(1, per_token) * kv_cfg.block_size
     max_len = config.model.max_model_len or shape.max_position_embeddings
     if kv_cfg.num_blocks is not None:
         blocks = kv_cfg.num_blocks
     elif target.device_memory_bytes is not None or target.device == "cpu":
         sched = config.scheduler
-        activations = (
-            sched.max_num_batched_tokens
-            * d
-            * (
-                4 * shape.hidden_size
-                + (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim // tensor
-                + 3 * shape.intermediate_size // tensor
-            )
-            + sched.max_num_seqs * shape.vocab_size * 4
-        )
         if target.device_memory_bytes is None:  # CPU: the engine's cap, beside the weights
             free = CPU_KV_CACHE_CAP
         else:
+            activations = shape.activation_bytes(
+                sched.max_num_batched_tokens, sched.max_num_seqs, tensor, d
+            )
             free = target.device_memory_bytes - plan.device_bytes - activations
         fraction = kv_cfg.memory_fraction or DEFAULT_MEMORY_FRACTION
         blocks_per_seq = -(-(kv_cfg.max_seq_len or max_len) // kv_cfg.block_size)

@@ -129,7 +129,7 @@ class OffloadState:
         match) and start a streamer over them; ``holder.streamer`` is set to it."""
         old = getattr(self.holder, "streamer", None)
         if isinstance(old, WeightStreamer):
-            old.close(keep_tiers=True)  # every copy it issued has landed
+            old.close()  # every copy it issued has landed
         forget = getattr(getattr(self.holder, "row_decoding", None), "forget", None)
         if forget is not None:
             forget()  # one-row plans hold the tensors of the old layout
@@ -168,7 +168,7 @@ class OffloadState:
                     for ring in rings
                 ]
             streamer = WeightStreamer(
-                self.device, rings, layer_pieces, self.host, self.spill, self.ledger, staging
+                self.device, rings, layer_pieces, self.host, self.spill, staging
             )
             if isinstance(old, WeightStreamer):
                 streamer.stats = old.stats  # the counters run on across layouts
@@ -253,10 +253,6 @@ class OffloadState:
             pack_cpu_weights(piece.module)
         self.changes += 1
         return size
-
-    @property
-    def resident_candidates(self) -> list[Key]:
-        return [k for k in self.pieces if k not in set(self.streamed)]
 
     def describe(self) -> str:
         return (

@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from brook_engine.offload.ledger import WeightLedger
 from brook_engine.offload.tiers import HostPool, SpillFile
 
 log = logging.getLogger(__name__)
@@ -88,13 +87,12 @@ class WeightStreamer:
         layer_pieces: dict[int, list[tuple[int, int]]],  # local layer → (ring, position)
         host: HostPool,
         spill: SpillFile | None,
-        ledger: WeightLedger,
         staging: list[list[torch.Tensor]] | None = None,  # accelerators: pinned, per slot
     ) -> None:
         self.device = device
         self.rings = rings
         self.layer_pieces = layer_pieces
-        self.host, self.spill, self.ledger = host, spill, ledger
+        self.host, self.spill = host, spill
         self.staging = staging
         self.stats = StreamStats()
         self._lock = threading.Lock()
@@ -251,9 +249,9 @@ class WeightStreamer:
             self._waits = waits
         return StreamStats(**vars(self.stats))
 
-    def close(self, keep_tiers: bool = False) -> None:
+    def close(self) -> None:
         """Stop the copy thread once the fills queued so far are done (the tiers belong to
-        the offload state; ``keep_tiers`` is for a caller laying the rings out again)."""
+        the offload state, which outlives a streamer when it lays the rings out again)."""
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(timeout=60)

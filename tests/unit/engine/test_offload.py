@@ -12,6 +12,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
 from tests.support.greedy_reference import random_prompts
+from tests.support.parallel_llm import EXACT_KV
 
 from brook_engine import LLM, SamplingParams
 from brook_engine.config import ConfigError
@@ -20,10 +21,6 @@ from brook_engine.offload.plan import GIB
 from brook_engine.offload.streamer import WeightStreamer
 
 NEW = 24
-EXACT_KV = {
-    "layer_policies": [{"start": 0.0, "end": 1.0, "dtype": "auto"}],
-    "dynamic_precision": {"enabled": False},
-}
 
 
 def _engine(folder: Path, **options: Any) -> LLM:
@@ -271,7 +268,7 @@ def test_adaptive_moves_weights_out_under_kv_pressure_and_back_after(
         policy = engine.adaptive
         assert policy is not None
         policy.pressure_steps, policy.calm_steps, policy.cooldown_steps = 2, 6, 3
-        ledger = engine.runner.model.ledger
+        ledger = engine.runner.model.offload.ledger
         planned = list(engine.runner.model.offload.streamed)
         assert bool(planned) == (fraction < 1.0)  # the static plan adaptive starts from
         for i, prompt in enumerate(prompts):
