@@ -80,6 +80,27 @@ def _add_engine_flags(parser: argparse.ArgumentParser, model_required: bool = Tr
     parser.add_argument(
         "--prefetch-layers", type=int, default=None, help="offload.prefetchLayers (default 1)"
     )
+    parser.add_argument(
+        "--shapes-mode",
+        choices=["eager", "compile"],
+        default=None,
+        help="shapes.mode: compile runs the decoder layers as graphs compiled per token bucket",
+    )
+    parser.add_argument(
+        "--shape-patterns",
+        default=None,
+        help="shapes.patterns as IN:OUT[,IN:OUT...] (compile mode compiles their buckets "
+        "before ready; without patterns, every bucket)",
+    )
+    parser.add_argument(
+        "--kernel-cache-size", type=int, default=None, help="shapes.kernelCacheSize"
+    )
+    parser.add_argument(
+        "--online-learning", action="store_true", default=None, help="shapes.onlineLearning"
+    )
+    parser.add_argument(
+        "--compile-cache-dir", default=None, help="shapes.cacheDir (compiled graphs persist)"
+    )
 
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -98,8 +119,20 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         kv["dynamic_precision"] = {"enabled": False}
     if kv:
         options["kv_cache"] = kv
-    if getattr(args, "one_row_weights", None):
-        options["shapes"] = {"one_row_weights": args.one_row_weights}
+    shapes: dict[str, Any] = {}
+    for flag, name in (
+        ("one_row_weights", "one_row_weights"),
+        ("shapes_mode", "mode"),
+        ("kernel_cache_size", "kernel_cache_size"),
+        ("online_learning", "online_learning"),
+        ("compile_cache_dir", "cache_dir"),
+    ):
+        if getattr(args, flag, None) is not None:
+            shapes[name] = getattr(args, flag)
+    if getattr(args, "shape_patterns", None):
+        shapes["patterns"] = [_pattern(p) for p in args.shape_patterns.split(",") if p.strip()]
+    if shapes:
+        options["shapes"] = shapes
     offload = {
         name: getattr(args, name, None)
         for name in ("device_memory_limit_gb", "cpu_memory_pool_gb", "prefetch_layers")
@@ -113,6 +146,16 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
             "group_size": args.group_size,
         }
     return options
+
+
+def _pattern(text: str) -> dict[str, int]:
+    try:
+        input_len, output_len = (int(part) for part in text.strip().split(":"))
+    except ValueError:
+        raise ConfigError(
+            f"--shape-patterns: {text.strip()!r} is not IN:OUT (e.g. 128:128)"
+        ) from None
+    return {"input_len": input_len, "output_len": output_len}
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -179,6 +222,21 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     plan = memory_plan(config, model_config, args.device_memory_gb)
     print(plan.to_json() if args.json else plan.table())
     return 0
+
+
+def _cmd_compile(args: argparse.Namespace) -> int:
+    from brook_engine.compile.command import compile_ahead
+    from brook_engine.offload.command import read_plan_config
+
+    config = read_plan_config(Path(args.config))
+    if args.cache_dir:
+        config = config.model_copy(
+            update={"shapes": config.shapes.model_copy(update={"cache_dir": args.cache_dir})}
+        )
+    model_config = Path(args.model_config) if args.model_config else None
+    report = compile_ahead(config, model_config)
+    print(report.text())
+    return 0 if report.compiled == report.buckets else 1  # a failed bucket was logged
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -250,6 +308,22 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(func=_cmd_plan)
 
+    compile_ = sub.add_parser(
+        "compile",
+        help="fill shapes.cacheDir with the compiled graphs of a configuration's registered "
+        "shape buckets, so replicas start without compiling",
+    )
+    compile_.add_argument(
+        "--config", required=True, help="an engine configuration file or an LLMInference manifest"
+    )
+    compile_.add_argument(
+        "--model-config",
+        default=None,
+        help="the model's config.json (or its folder), where model.uri is not a local folder",
+    )
+    compile_.add_argument("--cache-dir", default=None, help="overrides shapes.cacheDir")
+    compile_.set_defaults(func=_cmd_compile)
+
     bench = sub.add_parser("bench", help="throughput and latency on a synthetic workload")
     _add_engine_flags(bench)
     bench.add_argument("--num-requests", type=int, default=64)
@@ -272,6 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
             "long-context",
             "parallel",
             "w8a16-quality",
+            "cold-start",
         ),
         default="random",
         help="random: --input-len/--output-len; shared-prefix: one 1,024-token system prompt "
@@ -280,7 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
         "the default precision policy vs FP16; w8a16-quality: weight bytes, top-1 agreement and "
         "perplexity of W8A16 vs the unquantized model; parallel: the random workload through one "
         "device, PP=2 (micro-batches, async vs blocking sends, adaptive) and TP=2 on this "
-        "host's cores",
+        "host's cores; cold-start: process start to ready and to first token, eager vs "
+        "compile mode from scratch vs from a warm shapes.cacheDir (fresh processes)",
     )
     bench.add_argument("--concurrency", type=int, default=16, help="streams for --mode serve")
     bench.add_argument(

@@ -158,6 +158,14 @@ def _cmd_autoscale_simulate(args: argparse.Namespace) -> int:
         trace_path = sim.resolve_trace(args.trace)
         requests = sim.scale_rate(sim.read_trace(trace_path), args.rate_scale)
         profile = sim.load_profile(args.profile)
+        if args.uncached_start:
+            if profile.cold_start_uncached_seconds is None:
+                raise sim.SimulationError(
+                    f"--uncached-start: profile {profile.name} has no cold_start_uncached_seconds"
+                )
+            profile = profile.model_copy(
+                update={"cold_start_seconds": profile.cold_start_uncached_seconds}
+            )
         spec = sim.load_spec(Path(args.policy), profile) if args.policy else None
         names = [n.strip() for n in args.policies.split(",") if n.strip()]
         if not args.oracle_headroom > 0:
@@ -327,6 +335,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     simulate.add_argument(
         "--slo-ttft", type=float, help="TTFT SLO in seconds (default: the profile's)"
+    )
+    simulate.add_argument(
+        "--uncached-start",
+        action="store_true",
+        help="replicas start without a warm compile cache (the profile's "
+        "cold_start_uncached_seconds instead of cold_start_seconds)",
     )
     simulate.add_argument(
         "--rate-scale",

@@ -86,7 +86,7 @@ def main() -> None:
     llm.generate([prompt], params, use_tqdm=False)  # warm-up, untimed
     # Each name is replaced where its callers look it up at call time.
     if decode_row is not None:
-        _timed(decode_row._Step, "layer", "layers, one kernel call each")
+        _timed(decode_row.RowStep, "layer", "layers, one kernel call each")
     _timed(llama.DecoderLayer, "forward", "layers, Python path")
     _timed(linear, "one_row_linear", "  their weight products")
     _timed(llama, "paged_attention", "  their attention and KV write")

@@ -41,6 +41,10 @@ def _cell(value: Any, fmt: str) -> str:
 
 
 def bench(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    if args.workload == "cold-start":
+        from brook_engine.bench.cold_start import bench_cold_start
+
+        return bench_cold_start(args, options)
     if args.workload == "parallel":
         from brook_engine.bench.parallel_layouts import bench_parallel
 
@@ -280,6 +284,15 @@ def _print(reports: list[BenchReport], as_json: bool) -> None:
             f"{offload['streamed_mb']:.1f} MiB streamed; {offload['transfer_s']:.2f} s of "
             f"transfers, {offload['hidden_ratio']:.0%} hidden behind compute; "
             f"{offload['plan_changes']} plan changes"
+        )
+    compiled = brook.extra.get("compile")
+    if compiled:
+        print(
+            f"compile mode: {compiled['hit_rate']:.1%} of steps ran a compiled graph "
+            f"({compiled['hits']} of {compiled['hits'] + compiled['misses']}); "
+            f"{compiled['graphs']} graphs held {compiled['buckets']}, "
+            f"{compiled['evictions']} evicted; start-up compile "
+            f"{compiled['startup_compile_s']:.1f} s, online {compiled['online_compile_s']:.1f} s"
         )
     print(machine_line())
     caps = _caps_line()

@@ -12,6 +12,7 @@ from typing import Any
 from tqdm import tqdm
 
 from brook_engine.bench.workload import Workload
+from brook_engine.compile.graph_cache import CompileStats
 from brook_engine.core.llm_engine import LLMEngine
 from brook_engine.offload.streamer import StreamStats
 from brook_engine.sampling_params import SamplingParams
@@ -100,6 +101,8 @@ def run_engine(
     offload = engine.runner.model.offload
     if offload is not None and offload.holder.streamer is not None:
         offload.holder.streamer.reset_stats()  # this run's transfers only
+    graphs = engine.runner.graphs
+    compiled0 = graphs.stats() if graphs is not None else None
     start = time.perf_counter()
     bar = tqdm(total=len(workload.prompts), desc=f"brook ({mode})", disable=not progress)
     groups = (
@@ -151,8 +154,28 @@ def run_engine(
                 (cache.num_hits - hits0) / max(1, cache.num_queries - queries0) if cache else 0.0
             ),
             **({"offload": offload_figures(engine)} if offload is not None else {}),
+            **({"compile": compile_figures(engine, compiled0)} if compiled0 is not None else {}),
         },
     )
+
+
+def compile_figures(engine: LLMEngine, before: CompileStats) -> dict[str, Any]:
+    """Compile mode over the run: steps that ran a compiled graph, the hit rate, graphs held,
+    evictions, compile time spent online, and the start-up's compile time."""
+    graphs = engine.runner.graphs
+    assert graphs is not None
+    now = graphs.stats()
+    hits, misses = now.hits - before.hits, now.misses - before.misses
+    return {
+        "hits": hits,
+        "misses": misses,
+        "hit_rate": hits / max(1, hits + misses),
+        "graphs": now.graphs,
+        "evictions": now.evictions - before.evictions,
+        "online_compile_s": now.compile_seconds - before.compile_seconds,
+        "startup_compile_s": engine.runner.compile_seconds,
+        "buckets": sorted(graphs.cache.buckets),
+    }
 
 
 def offload_figures(engine: LLMEngine) -> dict[str, float]:

@@ -38,17 +38,28 @@ class ShapesConfig(Section):
     """Shape buckets and the compiled-kernel cache."""
 
     mode: Literal["eager", "compile"] = "eager"
-    """eager: run kernels as they come. compile: compile graphs per shape bucket (torch.compile
-    or NPU graphs) and reuse them."""
+    """eager: run kernels as they come. compile: pad each step to a token bucket (1, 2, 4, ...
+    up to scheduler.maxNumBatchedTokens) and run the decoder layers as a graph compiled for
+    that bucket (Inductor on CPU and CUDA, torchair's graph mode on NPU); a bucket without a
+    graph runs eager."""
 
     patterns: list[ShapePattern] = Field(default_factory=list, max_length=64)
-    """Registered (inputLen, outputLen) patterns; their buckets are compiled at start-up."""
+    """compile: registered (inputLen, outputLen) patterns. The buckets they imply (their
+    prefill chunks, and decode steps of 1 up to scheduler.maxNumSeqs sequences) are compiled
+    before the engine is ready. Without patterns every bucket is."""
 
     kernel_cache_size: int = Field(default=32, ge=1, le=4096)
-    """Compiled graphs kept; the least recently used is dropped beyond this."""
+    """compile: compiled graphs held; the least recently used is dropped beyond this."""
 
     online_learning: bool = False
-    """Add buckets for shapes seen in traffic that no registered pattern covers."""
+    """compile: a bucket that ran eager for 8 steps is compiled on a background thread and
+    swapped in between steps (steps never wait for it)."""
+
+    cache_dir: str | None = Field(default=None, min_length=1, max_length=4096)
+    """compile: a folder (the model volume, a PVC) where compiled artifacts persist across
+    processes, so a new replica loads its graphs instead of compiling them; fill it ahead
+    with ``brook-engine compile --config FILE``. A stale or foreign cache in it is ignored
+    with a warning. Unset: compile into a private temporary folder."""
 
     one_row_weights: Literal["model", "fp32", "bf16", "fp16"] = "model"
     """Weights a product with one row reads (every layer of a step decoding one sequence;

@@ -35,8 +35,20 @@ def unsupported_settings(sections: EngineSections) -> list[str]:
             "shapes.oneRowWeights: one-row copies are of float weights; with "
             "quantization.weights w8a16 the int8 weights serve one row too — use model"
         )
-    if sections.shapes.mode != "eager":
-        problems.append("shapes.mode: compile is not available yet; use eager")
+    shapes = sections.shapes
+    if shapes.mode == "eager":
+        defaults = type(shapes)()
+        for field, name in (
+            ("patterns", "patterns"),
+            ("kernel_cache_size", "kernelCacheSize"),
+            ("online_learning", "onlineLearning"),
+            ("cache_dir", "cacheDir"),
+        ):
+            if getattr(shapes, field) != getattr(defaults, field):
+                problems.append(
+                    f"shapes.{name}: applies to compiled shapes; set shapes.mode: compile "
+                    f"or remove shapes.{name}"
+                )
     return problems
 
 

@@ -19,6 +19,7 @@ def engine_stats(
     runner: ModelRunner,
     num_prompt_tokens_total: int,
     num_generation_tokens_total: int,
+    cold_start_seconds: dict[str, float] | None = None,
 ) -> EngineStats:
     cache = blocks.cache
     return EngineStats(
@@ -40,7 +41,24 @@ def engine_stats(
         memory_bytes=runner.memory_bytes(),
         **_parallel_stats(runner),
         **_offload_stats(runner),
+        **_compile_stats(runner),
+        cold_start_seconds=dict(cold_start_seconds or {}),
     )
+
+
+def _compile_stats(runner: ModelRunner) -> dict[str, Any]:
+    graphs = runner.graphs
+    if graphs is None:
+        return {}
+    stats = graphs.stats()
+    return {
+        "compiled_graphs": stats.graphs,
+        "compile_hits_total": stats.hits,
+        "compile_misses_total": stats.misses,
+        "compile_evictions_total": stats.evictions,
+        "compile_failures_total": stats.failures,
+        "compile_seconds_total": stats.compile_seconds,
+    }
 
 
 def _offload_stats(runner: ModelRunner) -> dict[str, Any]:

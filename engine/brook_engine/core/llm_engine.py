@@ -25,6 +25,7 @@ from brook_engine.core.requests import Request, RequestError, check_prompt
 from brook_engine.core.scheduler import ScheduledBatch, Scheduler
 from brook_engine.core.sequence import FinishReason, Sequence
 from brook_engine.device import resolve_backend
+from brook_engine.host import process_started
 from brook_engine.kv.blocks import BlockManager
 from brook_engine.kv.calibration import calibration_text
 from brook_engine.kv.prefix import PrefixCache
@@ -112,14 +113,23 @@ class LLMEngine:
         self.num_generation_tokens_total = 0
         # Drained by the server after every step; bounded for callers that never drain.
         self._finished_stats: deque[FinishedRequestStats] = deque(maxlen=65536)
+        #: Seconds from process start until ready, and until the first generated token.
+        self.cold_start = {"ready": time.time() - process_started()}
+        graphs = self.runner.graphs
         log.info(
-            "engine ready: %s on %s (%s), %d KV blocks of %d tokens, weights loaded in %.1f s",
+            "engine ready: %s on %s (%s), %d KV blocks of %d tokens, weights loaded in %.1f s%s, "
+            "%.1f s after the process started",
             self.served_name,
             self.backend.kind,
             self.runner.dtype,
             self.runner.num_blocks,
             config.kv_cache.block_size,
             self.runner.load_seconds,
+            ""
+            if graphs is None
+            else f", {len(graphs.cache)} shape buckets compiled or loaded in "
+            f"{self.runner.compile_seconds:.1f} s",
+            self.cold_start["ready"],
         )
 
     def _adaptive_offload(self, config: EngineConfig) -> AdaptivePolicy | None:
@@ -278,6 +288,7 @@ class LLMEngine:
             self.runner,
             self.num_prompt_tokens_total,
             self.num_generation_tokens_total,
+            self.cold_start,
         )
 
     def estimate_memory(self, seq_len: int, batch: int) -> dict[str, int]:
@@ -387,6 +398,8 @@ class LLMEngine:
         token = result.token_ids[0]
         seq.token_ids.append(token)
         self.num_generation_tokens_total += 1
+        if "first_token" not in self.cold_start:
+            self.cold_start["first_token"] = time.time() - process_started()
         if seq.first_token_time is None:
             seq.first_token_time = now
         if seq.params.logprobs is not None and result.logprobs[0] is not None:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from brook_engine.compile.graphs import CompiledLayers
+from brook_engine.compile.layer_graph import LayerSpec
 from brook_engine.config import EngineConfig, KVDType
 from brook_engine.core.replica import ReplicaFacts, gather_replica_facts, rank_shard
 from brook_engine.core.sampling import ChunkSampler
@@ -182,6 +184,20 @@ class ModelRunner:
         if isinstance(self.model.streamer, WeightStreamer):
             self.model.streamer.reset_stats()  # count serving's transfers, not start-up's
         self.sampler = ChunkSampler(self.device)
+        self.compile_seconds = 0.0
+        #: Compile mode: the stage's layer graphs (also the model's, which runs them).
+        self.graphs: CompiledLayers | None = None
+        if config.shapes.mode == "compile" and len(self.model.model.layers):
+            started = time.perf_counter()
+            self.graphs = CompiledLayers(
+                LayerSpec.of_arch(arch, topo.tensor, self.dtype, self.device),
+                config.shapes,
+                config.scheduler.max_num_batched_tokens,
+                config.scheduler.max_num_seqs,
+            )
+            self.graphs.compile_registered(progress and topo.is_driver)
+            self.model.graphs = self.graphs
+            self.compile_seconds = time.perf_counter() - started
         self.replica = gather_replica_facts(
             ReplicaFacts(
                 list(self.layer_kinds),
@@ -341,10 +357,13 @@ class ModelRunner:
         self.comm.close()
 
     def stop_streaming(self) -> None:
-        """Stop weight offload's copy thread and close its spill file (idempotent)."""
+        """Stop weight offload's copy thread and close its spill file, and online learning's
+        compile thread (idempotent)."""
         state = self.model.offload
         if state is not None:
             state.close()
+        if self.graphs is not None:
+            self.graphs.close()
 
     # -- the step (every rank) -------------------------------------------------------------
 
@@ -417,7 +436,13 @@ class ModelRunner:
         sends: list[Pending] = []
         logits: list[torch.Tensor] = []
         stage_loop = prepared
-        if comm is not None and topo.tensor > 1 and topo.pipeline == 1 and len(prepared) > 1:
+        if (
+            comm is not None
+            and topo.tensor > 1
+            and topo.pipeline == 1
+            and len(prepared) > 1
+            and self.graphs is None  # compiled layers reduce inside their graph
+        ):
             # Tensor parallel alone: interleave the micro-batches so each one's all-reduces
             # run behind the next one's compute.
             start = time.perf_counter()

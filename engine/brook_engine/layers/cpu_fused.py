@@ -16,6 +16,9 @@ what accelerators and ``BROOK_CPU_KERNELS=off`` run.
 from __future__ import annotations
 
 import ctypes
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -25,11 +28,26 @@ from brook_engine.layers import cpu_kernels
 from brook_engine.layers.rotary import apply_rotary
 
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_tracing = threading.local()
+
+
+@contextmanager
+def portable() -> Iterator[None]:
+    """Run the portable sequences on this thread: what a graph compiler traces (the kernels
+    read raw pointers, which a traced tensor has not), and fuses itself."""
+    before = getattr(_tracing, "on", False)
+    _tracing.on = True
+    try:
+        yield
+    finally:
+        _tracing.on = before
 
 
 def _kernels(*tensors: torch.Tensor) -> ctypes.CDLL | None:
     """The kernel library when every tensor is a contiguous CPU tensor of one supported
     dtype; None where the portable path must run."""
+    if getattr(_tracing, "on", False):
+        return None
     dtype = tensors[0].dtype
     for t in tensors:
         if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous():

@@ -28,6 +28,8 @@ KV_CACHE_CACHED_BLOCKS: Final = "brook_engine_kv_cache_cached_blocks"  # unrefer
 MODEL_INFO: Final = "brook_engine_model_info"  # value 1; labels describe model and config
 OFFLOAD_WEIGHT_BYTES: Final = "brook_engine_offload_weight_bytes"  # label: where
 OFFLOAD_BUDGET_BYTES: Final = "brook_engine_offload_budget_bytes"
+COMPILED_GRAPHS: Final = "brook_engine_compiled_graphs"  # held by the kernel cache
+COLD_START_SECONDS: Final = "brook_engine_cold_start_seconds"  # label: until
 
 # Counters.
 REQUESTS_TOTAL: Final = "brook_engine_requests_total"  # label: finish_reason
@@ -43,6 +45,11 @@ STAGE_COMPUTE_SECONDS_TOTAL: Final = "brook_engine_stage_compute_seconds_total" 
 OFFLOAD_TRANSFER_SECONDS_TOTAL: Final = "brook_engine_offload_transfer_seconds_total"
 OFFLOAD_EXPOSED_SECONDS_TOTAL: Final = "brook_engine_offload_transfer_exposed_seconds_total"
 OFFLOAD_PLAN_CHANGES_TOTAL: Final = "brook_engine_offload_plan_changes_total"
+COMPILE_CACHE_HITS_TOTAL: Final = "brook_engine_compile_cache_hits_total"  # steps
+COMPILE_CACHE_MISSES_TOTAL: Final = "brook_engine_compile_cache_misses_total"  # steps
+COMPILE_CACHE_EVICTIONS_TOTAL: Final = "brook_engine_compile_cache_evictions_total"
+COMPILE_FAILURES_TOTAL: Final = "brook_engine_compile_failures_total"  # buckets
+COMPILE_SECONDS_TOTAL: Final = "brook_engine_compile_seconds_total"
 
 # Histograms (per finished request).
 TIME_TO_FIRST_TOKEN_SECONDS: Final = "brook_engine_time_to_first_token_seconds"
@@ -55,6 +62,7 @@ MEMORY_KINDS: Final = ("weights", "kv_cache", "activations")
 OFFLOAD_WHERE: Final = ("resident", "slots", "streamed")
 FINISH_REASONS: Final = ("stop", "length", "abort", "error")
 COMM_KINDS: Final = ("all_reduce", "all_gather", "p2p", "control")
+COLD_START_UNTIL: Final = ("ready", "first_token")  # from process start
 
 # The names the Kubernetes inference ecosystem reads: the Gateway API Inference Extension's
 # model-server protocol (queue, running, KV usage as a 0..1 ratio), under the plain names and

@@ -141,6 +141,35 @@ class EngineMetrics:
             names.OFFLOAD_PLAN_CHANGES_TOTAL,
             "Weight offload: pieces moved between resident and streamed (adaptive policy).",
         )
+        self.compiled_graphs = gauge(
+            names.COMPILED_GRAPHS,
+            "Compile mode: compiled layer graphs the kernel cache holds (one per token bucket).",
+        )
+        self.compile_hits = counter(
+            names.COMPILE_CACHE_HITS_TOTAL, "Compile mode: steps that ran a compiled graph."
+        )
+        self.compile_misses = counter(
+            names.COMPILE_CACHE_MISSES_TOTAL,
+            "Compile mode: steps that ran eager (their bucket not compiled, or failed).",
+        )
+        self.compile_evictions = counter(
+            names.COMPILE_CACHE_EVICTIONS_TOTAL,
+            "Compile mode: graphs dropped to keep the cache within kernelCacheSize.",
+        )
+        self.compile_failures = counter(
+            names.COMPILE_FAILURES_TOTAL,
+            "Compile mode: buckets whose compilation or graph failed (they run eager).",
+        )
+        self.compile_seconds = counter(
+            names.COMPILE_SECONDS_TOTAL,
+            "Compile mode: time spent compiling or loading graphs (start-up and online).",
+        )
+        self.cold_start = gauge(
+            names.COLD_START_SECONDS,
+            "Seconds from process start until the engine was ready, and until its first "
+            "generated token.",
+            ["until"],
+        )
         self.ttft = histogram(
             names.TIME_TO_FIRST_TOKEN_SECONDS,
             "Arrival to first generated token.",
@@ -197,11 +226,19 @@ class EngineMetrics:
         for where, value in stats.offload_weight_bytes.items():
             self.offload_bytes.labels(where=where).set(value)
         self.offload_budget.set(stats.offload_budget_bytes)
+        self.compiled_graphs.set(stats.compiled_graphs)
+        for until, seconds in stats.cold_start_seconds.items():
+            self.cold_start.labels(until=until).set(seconds)
         last = self._last
         for metric, field in (
             (self.offload_transfer, "offload_transfer_seconds_total"),
             (self.offload_exposed, "offload_exposed_seconds_total"),
             (self.offload_changes, "offload_plan_changes_total"),
+            (self.compile_hits, "compile_hits_total"),
+            (self.compile_misses, "compile_misses_total"),
+            (self.compile_evictions, "compile_evictions_total"),
+            (self.compile_failures, "compile_failures_total"),
+            (self.compile_seconds, "compile_seconds_total"),
             (self.prompt_tokens, "num_prompt_tokens_total"),
             (self.generation_tokens, "num_generation_tokens_total"),
             (self.preemptions, "num_preemptions_total"),

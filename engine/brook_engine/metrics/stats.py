@@ -39,6 +39,14 @@ class EngineStats:
     offload_transfer_seconds_total: float = 0.0
     offload_exposed_seconds_total: float = 0.0
     offload_plan_changes_total: int = 0
+    # compile mode (this rank's kernel cache); cold start of this process
+    compiled_graphs: int = 0
+    compile_hits_total: int = 0
+    compile_misses_total: int = 0
+    compile_evictions_total: int = 0
+    compile_failures_total: int = 0
+    compile_seconds_total: float = 0.0
+    cold_start_seconds: dict[str, float] = field(default_factory=dict)  # until -> seconds
 
 
 @dataclass(frozen=True)

@@ -113,7 +113,7 @@ class RowDecoding:
 
     def begin(
         self, x: torch.Tensor, meta: AttentionMetadata, cos_sin: tuple[torch.Tensor, torch.Tensor]
-    ) -> _Step | None:
+    ) -> RowStep | None:
         """The step's shared arguments when it is one token of one decoding sequence on a
         CPU with the kernels; None where the Python path runs."""
         if x.shape[0] != 1 or meta.num_decodes != 1 or meta.prefills:
@@ -141,7 +141,7 @@ class RowDecoding:
         if not (cos.is_contiguous() and sin.is_contiguous()) or cos.dtype != x.dtype:
             return None
         isas = (ctypes.c_int * 4)(*(int(p) for p in paths if p is not None))
-        return _Step(self, x.dtype, meta, cos, sin, isas, torch.get_num_threads())
+        return RowStep(self, x.dtype, meta, cos, sin, isas, torch.get_num_threads())
 
     def plan(self, layer: Any, cache: LayerKVCache, dtype: torch.dtype) -> _Layer | None:
         """The C description of ``layer`` with ``cache``, or None where it takes the Python
@@ -227,7 +227,7 @@ class RowDecoding:
         return self._scratch[1]
 
 
-class _Step:
+class RowStep:
     """One single-token step's arguments, shared by its layers."""
 
     def __init__(
@@ -246,6 +246,14 @@ class _Step:
         self.isas, self.isas_ptr = isas, ctypes.cast(isas, ctypes.c_void_p)
         self.width = meta.decode_blocks.shape[1]
         self.window = meta.sliding_window or 0
+
+    def covers(self, layers: Any, caches: list[LayerKVCache]) -> bool:
+        """Whether every one of ``layers`` runs as one kernel call (compile mode runs a
+        step the kernel covers this way: a graph cannot beat one call per layer)."""
+        plan = self.owner.plan
+        return all(
+            plan(la, c, self.dtype) is not None for la, c in zip(layers, caches, strict=True)
+        )
 
     def layer(
         self, layer: Any, cache: LayerKVCache, x: torch.Tensor, delta: torch.Tensor | None

@@ -29,7 +29,7 @@ from brook_engine.layers.tensor_parallel import (
     VocabParallelHead,
 )
 from brook_engine.models.arch import ModelArch
-from brook_engine.models.decode_row import RowDecoding
+from brook_engine.models.decode_row import RowDecoding, RowStep
 from brook_engine.quant.linear import W8A16, Int8Linear, QuantizedHead
 
 if TYPE_CHECKING:
@@ -45,6 +45,22 @@ class LayerStreamer(Protocol):
     def before_layer(self, layer: int) -> None: ...
 
     def after_layer(self, layer: int) -> None: ...
+
+
+class StageGraphs(Protocol):
+    """Compile mode's graphs of the stage's layers (``compile.graphs.CompiledLayers``)."""
+
+    def run(
+        self,
+        model: CausalLM,
+        x: torch.Tensor,
+        cos_sin: Rotary,
+        caches: list[LayerKVCache],
+        meta: AttentionMetadata,
+        row: RowStep | None = None,
+    ) -> torch.Tensor | None: ...
+
+    def close(self) -> None: ...
 
 
 class Reduction(Protocol):
@@ -234,6 +250,8 @@ class CausalLM(nn.Module):
         # streamer that fills streamed pieces' slots around each layer.
         self.offload: OffloadState | None = None
         self.streamer: LayerStreamer | None = None
+        # Compile mode (set by the runner): the layers as compiled graphs per token bucket.
+        self.graphs: StageGraphs | None = None
 
     def tie_embeddings(self) -> None:
         """Share the embedding with the LM head when the model ties them and this rank
@@ -257,6 +275,12 @@ class CausalLM(nn.Module):
         delta: torch.Tensor | None = None
         # One token of one sequence on CPU: a layer per kernel call where it can (decode_row).
         row = self.row_decoding.begin(x, meta, cos_sin)
+        graphs = self.graphs
+        if graphs is not None and (row is None or not row.covers(self.model.layers, caches)):
+            # the bucket's graph (the row kernel still runs the layers it covers)
+            compiled = graphs.run(self, x, cos_sin, caches, meta, row)
+            if compiled is not None:
+                return compiled
         streamer = self.streamer
         for i, (layer, cache) in enumerate(zip(self.model.layers, caches, strict=True)):
             if streamer is not None:

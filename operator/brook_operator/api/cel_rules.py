@@ -78,10 +78,19 @@ CEL_RULES: dict[type[BaseModel], list[Rule]] = {
             "quantization.weights: w8a16 or remove groupSize",
             ".quantization.groupSize",
         ),
-        Rule(
-            "self.shapes.mode == 'eager'",
-            "shapes.mode: compile is not available yet; use eager",
-            ".shapes.mode",
+        *(
+            Rule(
+                f"self.shapes.mode == 'compile' || {unset}",
+                f"shapes.{name}: applies to compiled shapes; set shapes.mode: compile or "
+                f"remove shapes.{name}",
+                f".shapes.{name}",
+            )
+            for name, unset in (
+                ("patterns", "size(self.shapes.patterns) == 0"),
+                ("kernelCacheSize", "self.shapes.kernelCacheSize == 32"),
+                ("onlineLearning", "!self.shapes.onlineLearning"),
+                ("cacheDir", "!has(self.shapes.cacheDir)"),
+            )
         ),
         Rule(
             "!(has(self.replicas) && has(self.autoscaling))",

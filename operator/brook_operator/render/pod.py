@@ -133,6 +133,11 @@ def pod_template(llmi: LLMInference, settings: OperatorSettings, role: Role) -> 
         {"name": "shm", "mountPath": "/dev/shm"},
         *source.mounts,
     ]
+    cache_dir = spec.shapes.cache_dir
+    if cache_dir is not None and not (cache_dir + "/").startswith("/tmp/"):
+        # compiled graphs outlive a container restart (a crash loop recompiles nothing)
+        volumes.append({"name": "compile-cache", "emptyDir": {}})
+        mounts.append({"name": "compile-cache", "mountPath": cache_dir})
     if spec.server.api_key_secret_ref is not None:
         ref = spec.server.api_key_secret_ref
         volumes.append(

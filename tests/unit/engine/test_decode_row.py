@@ -34,14 +34,14 @@ def _run(
     with monkeypatch.context() as patch:
         if not fast:
             patch.setattr(decode_row.RowDecoding, "begin", lambda *args: None)
-        original = decode_row._Step.layer
+        original = decode_row.RowStep.layer
 
         def counted(self: Any, *args: Any) -> Any:
             done = original(self, *args)
             calls[0] += done is not None
             return done
 
-        patch.setattr(decode_row._Step, "layer", counted)
+        patch.setattr(decode_row.RowStep, "layer", counted)
         llm = LLM(str(folder), max_model_len=128, progress=False, **options)
         params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
         tokens, logprobs = [], []

@@ -225,7 +225,7 @@ def test_kv_storage_round_trip(kind: Any, tolerance: float) -> None:
             {"quantization": {"weights": "w8a16"}, "shapes": {"one_row_weights": "bf16"}},
             "shapes.oneRowWeights",
         ),
-        ({"shapes": {"mode": "compile"}}, "shapes.mode"),
+        ({"shapes": {"online_learning": True}}, "shapes.onlineLearning"),
     ],
 )
 def test_settings_not_yet_available_are_refused(

@@ -76,3 +76,32 @@ def test_the_names_module_needs_neither_torch_nor_prometheus() -> None:
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_compile_and_cold_start_metrics() -> None:
+    registry = CollectorRegistry()
+    metrics = EngineMetrics(registry, {"model": "m", "dtype": "bfloat16"})
+    metrics.record(stats(compiled_graphs=3, compile_hits_total=5, compile_seconds_total=2.5))
+    metrics.record(
+        stats(
+            compiled_graphs=4,
+            compile_hits_total=9,
+            compile_misses_total=1,
+            compile_evictions_total=1,
+            compile_failures_total=1,
+            compile_seconds_total=4.0,
+            cold_start_seconds={"ready": 7.5, "first_token": 8.0},
+        )
+    )
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, labels)
+
+    assert value(names.COMPILED_GRAPHS) == 4
+    assert value(names.COMPILE_CACHE_HITS_TOTAL) == 9
+    assert value(names.COMPILE_CACHE_MISSES_TOTAL) == 1
+    assert value(names.COMPILE_CACHE_EVICTIONS_TOTAL) == 1
+    assert value(names.COMPILE_FAILURES_TOTAL) == 1
+    assert value(names.COMPILE_SECONDS_TOTAL) == 4.0
+    assert value(names.COLD_START_SECONDS, until="ready") == 7.5
+    assert value(names.COLD_START_SECONDS, until="first_token") == 8.0

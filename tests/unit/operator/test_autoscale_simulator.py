@@ -134,6 +134,10 @@ def test_shipped_profiles_load_and_interpolate_overlap() -> None:
     assert npu.overlap_ratio(24) == pytest.approx((0.62 + 0.85) / 2)
     assert npu.overlap_ratio(1000) == 1.0
     assert any("brook-engine bench" in line for line in cpu.source)
+    # the measured start, with and without a warm compile cache
+    assert any("--workload cold-start" in line for line in cpu.source)
+    assert cpu.cold_start_uncached_seconds is not None
+    assert cpu.cold_start_uncached_seconds > cpu.cold_start_seconds
 
 
 def test_bad_profile_names_the_field(tmp_path: Path) -> None:
@@ -409,6 +413,11 @@ def test_cli_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert json.loads(capsys.readouterr().out)["policies"]["oracle-reactive"]["headroom"] == 1.5
     assert main([*args, "--policies", "oracle-reactive", "--oracle-headroom", "0"]) == 2
     assert "--oracle-headroom 0: use a positive multiple" in capsys.readouterr().err
+    assert main([*args, "--policies", "brook", "--uncached-start"]) == 2
+    assert "no cold_start_uncached_seconds" in capsys.readouterr().err
+    uncached = tmp_path / "uncached.json"
+    uncached.write_text(_profile(cold_start_uncached_seconds=40).model_dump_json())
+    assert main([*args[:-1], str(uncached), "--policies", "brook", "--uncached-start"]) == 0
 
 
 def test_cli_bad_policy_file_exits_2_naming_the_field(

@@ -65,7 +65,12 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
         {"spec.offload.policy": "static"},
         "spec.offload.deviceMemoryLimitGb",
     ),
-    ("compile-not-built", {"spec.shapes.mode": "compile"}, "spec.shapes.mode"),
+    (
+        "compile-settings-in-eager-mode",
+        {"spec.shapes.patterns": [{"inputLen": 64, "outputLen": 64}]},
+        "spec.shapes.patterns",
+    ),
+    ("cache-dir-in-eager-mode", {"spec.shapes.cacheDir": "/cache"}, "spec.shapes.cacheDir"),
     ("offload-policy-enum", {"spec.offload.policy": "sometimes"}, "spec.offload.policy"),
     ("tp-pp-does-not-fit", {"spec.parallel.tensor": 3}, "spec.parallel"),
     (

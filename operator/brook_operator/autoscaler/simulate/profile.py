@@ -50,6 +50,11 @@ class Profile(_Strict):
     cold_start_seconds: float = Field(ge=0)
     """From the decision to add a replica to its first request (pod start, weights load)."""
 
+    cold_start_uncached_seconds: float | None = Field(default=None, ge=0)
+    """The same start without a warm compile cache (``shapes.cacheDir``): the replica
+    compiles its graphs before it serves. ``brook autoscale simulate --uncached-start``
+    replays with it."""
+
     ttft_slo_seconds: float = Field(gt=0)
     max_replicas: int = Field(ge=1, le=1000)
     overlap: list[tuple[float, float]] | None = None
