@@ -23,6 +23,8 @@ from brook_engine.compile.graph_cache import GraphCache
 from brook_engine.compile.graphs import CompiledLayers
 from brook_engine.compile.persistent import MANIFEST
 from brook_engine.config import ConfigError
+from brook_engine.layers import cpu_kernels
+from brook_engine.models.decode_row import RowStep
 
 EXACT_KV = {
     "layer_policies": [{"start": 0.0, "end": 1.0, "dtype": "auto"}],
@@ -47,6 +49,11 @@ def _llm(folder: Path, shapes: dict[str, Any] | None = None, **options: Any) -> 
         progress=False,
         **options,
     )
+
+
+def row_kernel_runs_here() -> bool:
+    """Whether Brook's C kernels (the decoder-layer kernel among them) are built here."""
+    return cpu_kernels.enabled()
 
 
 def _graphs(llm: LLM) -> CompiledLayers:
@@ -303,3 +310,38 @@ def test_compiled_tokens_match_eager_with_w8a16_and_offload(
         assert stats.hits > 0 and stats.failures == 0
     finally:
         compiled.close()
+
+
+def test_one_sequence_mixes_the_row_kernel_and_the_graph(
+    make_tiny_model: Callable[..., Path], shared_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FP8 layers are not the decoder-layer kernel's: a single sequence's step runs them as
+    the graph and the others as one kernel call each — eager's tokens all the same."""
+    folder = make_tiny_model("llama")
+    mixed_kv = {
+        "layer_policies": [
+            {"start": 0.0, "end": 0.5, "dtype": "fp8_e5m2"},
+            {"start": 0.5, "end": 1.0, "dtype": "auto"},
+        ],
+        "dynamic_precision": {"enabled": False},
+        "num_blocks": 64,
+    }
+    prompts = random_prompts(300, [6, 13], seed=14)
+    # plain float32 copies: what the decoder-layer kernel reads beside packed weights
+    eager = _llm(folder, {"mode": "eager", "one_row_weights": "fp32"}, kv_cache=mixed_kv)
+    expected = [_greedy(eager, [p]) for p in prompts]
+    shapes = {"mode": "compile", "cache_dir": str(shared_cache), "one_row_weights": "fp32"}
+    compiled = _llm(folder, shapes, kv_cache=mixed_kv)
+    kernel_layers = []
+    original = RowStep.layer
+
+    def counted(self: RowStep, *args: Any) -> Any:
+        done = original(self, *args)
+        kernel_layers.append(done is not None)
+        return done
+
+    monkeypatch.setattr(RowStep, "layer", counted)
+    assert [_greedy(compiled, [p]) for p in prompts] == expected
+    assert _graphs(compiled).stats().hits > 20  # the one-token steps ran the graph too
+    if row_kernel_runs_here():
+        assert any(kernel_layers) and not all(kernel_layers)  # and the kernel the others
