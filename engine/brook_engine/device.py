@@ -25,6 +25,10 @@ class DeviceError(RuntimeError):
     """The requested device is not present or its runtime fails to load."""
 
 
+#: ``model.dtype`` names and the torch dtypes they stand for.
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
 @dataclass(frozen=True)
 class Backend:
     kind: str  # "npu" | "cuda" | "cpu"
@@ -56,6 +60,10 @@ class Backend:
         with module.stream(stream):
             work.wait()
         stream.synchronize()
+
+    def model_dtype(self, name: str) -> torch.dtype:
+        """The dtype ``model.dtype`` names (``auto``: ``default_dtype``)."""
+        return self.default_dtype() if name == "auto" else DTYPES[name]
 
     def default_dtype(self) -> torch.dtype:
         """bfloat16 where the hardware computes in it natively (accelerators, CPUs with

@@ -14,12 +14,8 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from brook_engine.config import ConfigError, EngineConfig
-
-if TYPE_CHECKING:
-    import torch
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +52,7 @@ def compile_ahead(config: EngineConfig, model_config: Path | None) -> CompileRep
     arch = ModelArch.from_dict(read_model_config(config, model_config))
     config.check_against_model(arch.shape.facts)
     backend = resolve_backend(config.device)
-    dtype = backend.default_dtype() if config.model.dtype == "auto" else _dtype(config)
+    dtype = backend.model_dtype(config.model.dtype)
     spec = LayerSpec.of_arch(arch, config.parallel.tensor, dtype, backend.device)
     scheduler = config.scheduler
     layers = CompiledLayers(spec, shapes, scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
@@ -69,10 +65,3 @@ def compile_ahead(config: EngineConfig, model_config: Path | None) -> CompileRep
         sorted(layers.cache.buckets),
         time.perf_counter() - started,
     )
-
-
-def _dtype(config: EngineConfig) -> torch.dtype:
-    import torch
-
-    dtype: torch.dtype = getattr(torch, config.model.dtype)
-    return dtype

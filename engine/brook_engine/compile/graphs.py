@@ -229,32 +229,16 @@ class CompiledLayers:
         cos, sin = (pad_rows(t, bucket) for t in cos_sin)
         delta = torch.zeros_like(x)
         layers: list[Any] = list(model.model.layers)
-        streamer = model.streamer
         with ops.running(ops.StepContext(layers, caches, meta, tokens)) as context:
-            for i, layer in enumerate(layers):
-                if streamer is not None:
-                    streamer.before_layer(i)
+
+            def run_layer(
+                i: int, layer: Any, _: LayerKVCache, x: torch.Tensor, delta: torch.Tensor | None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
                 context.layer = i
-                done = row.layer(layer, caches[i], x, delta) if row is not None else None
-                if done is not None:
-                    x, delta = done
-                    if streamer is not None:
-                        streamer.after_layer(i)
-                    continue
-                try:
-                    x, delta = graph(
-                        x,
-                        delta,
-                        cos,
-                        sin,
-                        layer.input_layernorm.weight,
-                        layer.post_attention_layernorm.weight,
-                    )
-                finally:  # a failing graph still hands the layer's slot back
-                    if streamer is not None:
-                        streamer.after_layer(i)
-        x, delta = x[:tokens], delta[:tokens]
-        norm = model.model.norm
-        if norm is not None:
-            return norm.add_norm(x, delta)[0]
-        return x + delta
+                norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+                out: tuple[torch.Tensor, torch.Tensor] = graph(x, delta, cos, sin, *norms)
+                return out
+
+            x, last = model.run_layers(x, delta, caches, row, run_layer)
+        assert last is not None
+        return model.stage_output(x[:tokens], last[:tokens])

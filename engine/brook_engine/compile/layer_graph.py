@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from brook_engine.compile import ops
+from brook_engine.device import DTYPES
 from brook_engine.layers import cpu_fused
 from brook_engine.layers.tensor_parallel import Shard
 from brook_engine.models.arch import ModelArch
@@ -34,8 +35,6 @@ log = logging.getLogger(__name__)
 
 #: What a compiled layer is called with: x, delta, cos, sin, the two norms' weights.
 LayerGraph = Callable[..., Any]
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -76,7 +75,7 @@ class LayerSpec:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return DTYPES[self.dtype]
 
 
 def layer_function(spec: LayerSpec) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:

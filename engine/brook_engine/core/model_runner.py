@@ -46,8 +46,6 @@ from brook_engine.parallel.topology import Topology
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
 
 #: Overlap counters are summed at rank 0 every this many steps (one small collective).
 REPORT_EVERY_STEPS = 8
@@ -83,7 +81,7 @@ class ModelRunner:
         self.comm = comm
         self.topology = topo = comm.topology if comm is not None else Topology.single()
         dtype_name = config.model.dtype
-        self.dtype = backend.default_dtype() if dtype_name == "auto" else _DTYPES[dtype_name]
+        self.dtype = backend.model_dtype(dtype_name)
         self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
         self.block_size = config.kv_cache.block_size
 

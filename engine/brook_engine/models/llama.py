@@ -10,7 +10,7 @@ layers, the embedding on the first stage and the final norm and LM head on the l
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +45,13 @@ class LayerStreamer(Protocol):
     def before_layer(self, layer: int) -> None: ...
 
     def after_layer(self, layer: int) -> None: ...
+
+
+#: Runs one layer: (index, layer, its KV cache, residual, delta) -> (residual, delta).
+LayerRun = Callable[
+    [int, Any, LayerKVCache, torch.Tensor, torch.Tensor | None],
+    tuple[torch.Tensor, torch.Tensor],
+]
 
 
 class StageGraphs(Protocol):
@@ -281,14 +288,37 @@ class CausalLM(nn.Module):
             compiled = graphs.run(self, x, cos_sin, caches, meta, row)
             if compiled is not None:
                 return compiled
+        x, delta = self.run_layers(
+            x, delta, caches, row, lambda _, la, c, h, d: la(h, d, cos_sin, c, meta)
+        )
+        return self.stage_output(x, delta)
+
+    def run_layers(
+        self,
+        x: torch.Tensor,
+        delta: torch.Tensor | None,
+        caches: list[LayerKVCache],
+        row: RowStep | None,
+        run_layer: LayerRun,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The stage's layers over the residual ``x`` and the last output ``delta``: a
+        layer the row kernel covers (``row``, one decoding sequence) as one kernel call, the
+        others by ``run_layer`` (eager, or compile mode's graph); weight offload's hooks
+        around each."""
         streamer = self.streamer
         for i, (layer, cache) in enumerate(zip(self.model.layers, caches, strict=True)):
             if streamer is not None:
                 streamer.before_layer(i)
-            done = row.layer(layer, cache, x, delta) if row is not None else None
-            x, delta = done if done is not None else layer(x, delta, cos_sin, cache, meta)
-            if streamer is not None:
-                streamer.after_layer(i)
+            try:
+                done = row.layer(layer, cache, x, delta) if row is not None else None
+                x, delta = done if done is not None else run_layer(i, layer, cache, x, delta)
+            finally:  # a failing layer still hands its slot back
+                if streamer is not None:
+                    streamer.after_layer(i)
+        return x, delta
+
+    def stage_output(self, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        """The residual plus the last layer's output, normed on the last stage."""
         norm = self.model.norm
         if norm is not None:
             return norm.add_norm(x, delta)[0]
