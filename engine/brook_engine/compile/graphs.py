@@ -66,7 +66,6 @@ class CompiledLayers:
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()  # compile counters, written by the background thread
         self.compiles = 0
-        self.failures = 0
         self.compile_seconds = 0.0
 
     # -- compiling ---------------------------------------------------------------------------
@@ -114,7 +113,6 @@ class CompiledLayers:
             self.compile_seconds += time.perf_counter() - started
             self.compiles += 1
             if graph is None:
-                self.failures += 1
                 self._failed.add(bucket)
         return graph
 
@@ -158,7 +156,7 @@ class CompiledLayers:
                 misses=self.cache.misses,
                 evictions=self.cache.evictions,
                 compiles=self.compiles,
-                failures=self.failures,
+                failures=len(self._failed),  # a failed bucket is never compiled again
                 compile_seconds=self.compile_seconds,
             )
 
@@ -203,7 +201,6 @@ class CompiledLayers:
             self.cache.hits -= 1
             self.cache.misses += 1
             with self._lock:
-                self.failures += 1
                 self._failed.add(bucket)
             log.warning(
                 "the compiled %d-token graph failed; the bucket runs eager from now on: %s: %s",
