@@ -79,6 +79,51 @@ ARCHITECTURES = {
         "MistralForCausalLM",
         {"num_attention_heads": 5, "num_key_value_heads": 1, "sliding_window": 24},
     ),
+    # per-head q/k RMSNorm (Qwen3's attention), GQA 4:2
+    "qwen3": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        {"num_attention_heads": 4, "num_key_value_heads": 2},
+    ),
+    # 4 experts, top-2 renormalized, on every layer
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+        },
+    ),
+    # 6 experts top-2 (not renormalized), a gated shared expert, qkv bias; layer 1 dense
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        {
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_experts": 6,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+            "mlp_only_layers": [1],
+            "norm_topk_prob": False,
+        },
+    ),
+    # 8 experts top-2 renormalized, q/k norms
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+        },
+    ),
 }
 
 

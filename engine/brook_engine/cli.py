@@ -101,6 +101,22 @@ def _add_engine_flags(parser: argparse.ArgumentParser, model_required: bool = Tr
     parser.add_argument(
         "--compile-cache-dir", default=None, help="shapes.cacheDir (compiled graphs persist)"
     )
+    parser.add_argument(
+        "--moe-top-k", type=int, default=None, help="moe.topK: experts per token (MoE models)"
+    )
+    parser.add_argument(
+        "--moe-reroute",
+        action="store_true",
+        default=None,
+        help="moe.reroute: move tokens off overloaded experts to their next choice with room",
+    )
+    parser.add_argument(
+        "--moe-load-threshold",
+        type=float,
+        default=None,
+        help="moe.loadThreshold: an expert past this multiple of the mean load is full "
+        "(default 1.25)",
+    )
 
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -140,6 +156,13 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     }
     if getattr(args, "offload", None) or offload:
         options["offload"] = {"policy": getattr(args, "offload", None) or "static", **offload}
+    moe = {
+        name: getattr(args, f"moe_{name}", None)
+        for name in ("top_k", "reroute", "load_threshold")
+        if getattr(args, f"moe_{name}", None) is not None
+    }
+    if moe:
+        options["moe"] = moe
     if getattr(args, "quantization", None) or getattr(args, "group_size", None):
         options["quantization"] = {
             "weights": args.quantization or "none",
@@ -347,6 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
             "parallel",
             "w8a16-quality",
             "cold-start",
+            "moe",
         ),
         default="random",
         help="random: --input-len/--output-len; shared-prefix: one 1,024-token system prompt "
@@ -356,7 +380,15 @@ def build_parser() -> argparse.ArgumentParser:
         "perplexity of W8A16 vs the unquantized model; parallel: the random workload through one "
         "device, PP=2 (micro-batches, async vs blocking sends, adaptive) and TP=2 on this "
         "host's cores; cold-start: process start to ready and to first token, eager vs "
-        "compile mode from scratch vs from a warm shapes.cacheDir (fresh processes)",
+        "compile mode from scratch vs from a warm shapes.cacheDir (fresh processes); moe: "
+        "load-aware expert routing off vs on, one device and expert parallel on this host's "
+        "cores (--model random-moe builds a skewed random MoE)",
+    )
+    bench.add_argument(
+        "--moe-model-dir",
+        default=None,
+        help="--workload moe --model random-moe: where the random MoE is built (default "
+        "~/.cache/brook/random-moe)",
     )
     bench.add_argument("--concurrency", type=int, default=16, help="streams for --mode serve")
     bench.add_argument(

@@ -45,6 +45,10 @@ def bench(args: argparse.Namespace, options: dict[str, Any]) -> int:
         from brook_engine.bench.cold_start import bench_cold_start
 
         return bench_cold_start(args, options)
+    if args.workload == "moe":
+        from brook_engine.bench.moe_routing import bench_moe
+
+        return bench_moe(args, options)
     if args.workload == "parallel":
         from brook_engine.bench.parallel_layouts import bench_parallel
 

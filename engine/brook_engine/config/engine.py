@@ -34,6 +34,9 @@ class ModelFacts:
     max_position_embeddings: int
     num_experts: int = 0
     intermediate_size: int = 0
+    architecture: str = ""
+    qk_norm: bool = False  # Qwen3's per-head q/k RMSNorm
+    shared_expert_size: int = 0  # Qwen2-MoE's shared expert width
 
 
 class _ModelAndDevice(Section):
@@ -97,14 +100,58 @@ class EngineConfig(EngineSections, _ModelAndDevice):
                 f"model.maxModelLen ({max_len}) exceeds the model's maxPositionEmbeddings "
                 f"({facts.max_position_embeddings}); lower it"
             )
-        if facts.num_experts and self.moe.top_k is not None and self.moe.top_k > facts.num_experts:
-            problems.append(
-                f"moe.topK ({self.moe.top_k}) exceeds the model's {facts.num_experts} experts"
-            )
+        problems += _model_kind_problems(self, facts)
         effective_len = max_len if max_len is not None else facts.max_position_embeddings
         problems += _cross_section_problems(self, effective_len)
         if problems:
             raise ConfigError("; ".join(dict.fromkeys(problems)))
+
+
+def _model_kind_problems(config: EngineConfig, facts: ModelFacts) -> list[str]:
+    """Settings that depend on the model being mixture-of-experts (or using Qwen3's q/k
+    norms): refused where this build does not run them, never ignored."""
+    problems: list[str] = []
+    moe, par, name = config.moe, config.parallel, facts.architecture or "this model"
+    if not facts.num_experts:
+        defaults = type(moe)()
+        for field, key in (
+            ("top_k", "topK"),
+            ("load_threshold", "loadThreshold"),
+            ("reroute", "reroute"),
+        ):
+            if getattr(moe, field) != getattr(defaults, field):
+                problems.append(
+                    f"moe.{key}: {name} is a dense model (no experts); remove moe.{key}"
+                )
+        experts = ""
+    else:
+        if moe.top_k is not None and moe.top_k > facts.num_experts:
+            problems.append(
+                f"moe.topK ({moe.top_k}) exceeds the model's {facts.num_experts} experts"
+            )
+        if facts.num_experts % par.tensor:
+            problems.append(
+                f"parallel.tensor ({par.tensor}) must divide the model's {facts.num_experts} "
+                "experts (expert parallelism gives each tensor rank an equal share)"
+            )
+        if facts.shared_expert_size % par.tensor:
+            problems.append(
+                f"parallel.tensor ({par.tensor}) must divide the model's shared-expert width "
+                f"({facts.shared_expert_size})"
+            )
+        if config.offload.policy != "none":
+            problems.append(
+                f"offload.policy: weight offload streams dense layers so far; {name} is a "
+                "mixture-of-experts model — use none"
+            )
+        experts = "mixture-of-experts "
+    if config.shapes.mode == "compile" and (facts.num_experts or facts.qk_norm):
+        what = experts or "q/k-norm "
+        problems.append(
+            f"shapes.mode: compile mode traces the dense Llama-family layer so far; {name}'s "
+            f"{what}layers run eager — use eager"
+        )
+    return problems
 
 
 def _cross_section_problems(config: EngineConfig, max_model_len: int | None) -> list[str]:

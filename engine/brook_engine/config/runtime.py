@@ -74,17 +74,22 @@ class ShapesConfig(Section):
 
 
 class MoEConfig(Section):
-    """Routing of mixture-of-experts models (ignored for dense models)."""
+    """Mixture-of-experts routing (Mixtral, Qwen2-MoE, Qwen3-MoE); a dense model refuses
+    settings other than the defaults."""
 
     top_k: int | None = Field(default=None, ge=1, le=64)
-    """Experts per token; defaults to the model's own."""
+    """Experts per token; defaults to the model's own (num_experts_per_tok). Another value
+    changes what the model computes."""
 
     load_threshold: float = Field(default=1.25, gt=1, le=100)
-    """An expert whose load exceeds this multiple of the mean is overloaded."""
+    """With reroute: the most tokens one expert takes in a step, as a multiple of the
+    step's mean (tokens x topK / experts)."""
 
     reroute: bool = False
-    """Send tokens of overloaded experts to their next-best expert. Changes outputs
-    slightly, so it is off unless asked for."""
+    """Load-aware routing: a token whose chosen expert is full goes to its next choice with
+    room (never outside its top-k), weights renormalized as the model's family does. Evens
+    the experts' (and expert-parallel ranks') work; changes outputs, so it is off unless
+    asked for."""
 
 
 class SchedulerConfig(Section):

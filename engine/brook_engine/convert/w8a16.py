@@ -3,9 +3,10 @@ folder quantized ahead of time into a W8A16 compressed-tensors folder (pack-quan
 scale per output channel, or per channel and group with ``--group-size``) that Brook, vLLM
 and transformers load.
 
-The decoder's projections (q/k/v/o, gate/up/down) are quantized exactly as Brook quantizes
-at load time; the embedding, the norms and the LM head are copied in float (``ignore:
-["lm_head"]``, llm-compressor's default) — Brook gives the head its int8 copy when it loads
+The decoder's projections (q/k/v/o, gate/up/down, every expert's and a shared expert's) are
+quantized exactly as Brook quantizes at load time; the embedding, the norms, MoE routers and
+the LM head are copied in float (``ignore: ["lm_head"]``, llm-compressor's default, and the
+routers by pattern) — Brook gives the head its int8 copy when it loads
 the folder. One tensor at a time is held in memory, so a model larger than memory converts.
 """
 
@@ -26,8 +27,12 @@ from brook_engine.quant import checkpoint as quant_checkpoint
 from brook_engine.quant.quantize import quantize
 
 _PROJECTION = re.compile(
-    r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$"
+    r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj"
+    r"|mlp\.(experts\.\d+\.|shared_expert\.)?(gate|up|down)_proj"
+    r"|block_sparse_moe\.experts\.\d+\.w[123])\.weight$"
 )
+#: MoE routers stay in float (as Brook keeps them, and llm-compressor's MoE recipes ignore)
+_ROUTERS = ["re:.*mlp\\.gate$", "re:.*block_sparse_moe\\.gate$", "re:.*shared_expert_gate$"]
 
 
 def quantize_folder(
@@ -82,6 +87,9 @@ def quantize_folder(
     if (source / "model.safetensors.index.json").exists():
         index = {"metadata": {}, "weight_map": weight_map}
         (output / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    config["quantization_config"] = quant_checkpoint.quantization_config(["lm_head"], group_size)
+    ignore = ["lm_head"]
+    if any(re.match(r".*(mlp|block_sparse_moe)\.gate\.weight$", n) for n in weight_map):
+        ignore += _ROUTERS
+    config["quantization_config"] = quant_checkpoint.quantization_config(ignore, group_size)
     (output / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return quantized

@@ -42,8 +42,25 @@ def engine_stats(
         **_parallel_stats(runner),
         **_offload_stats(runner),
         **_compile_stats(runner),
+        **_moe_stats(runner),
         cold_start_seconds=dict(cold_start_seconds or {}),
     )
+
+
+def _moe_stats(runner: ModelRunner) -> dict[str, Any]:
+    load = runner.model.expert_load
+    if load is None:
+        return {}
+    figures = load.figures()
+    return {
+        "moe_routed_total": figures.routed_total,
+        "moe_rerouted_total": figures.rerouted_total,
+        "moe_load_cv": figures.load_cv,
+        "moe_load_std": figures.load_std,
+        "moe_expert_utilization": figures.utilization,
+        "moe_rank_utilization": figures.rank_utilization,
+        "moe_expert_tokens_total": figures.expert_tokens_total,
+    }
 
 
 def _compile_stats(runner: ModelRunner) -> dict[str, Any]:

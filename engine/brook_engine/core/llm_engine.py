@@ -276,6 +276,8 @@ class LLMEngine:
         self.num_generation_tokens_total = 0
         self.scheduler.num_preemptions_total = 0
         self._finished_stats.clear()
+        if self.runner.model.expert_load is not None:
+            self.runner.model.expert_load.reset()
         return time.perf_counter() - started
 
     # -- statistics ----------------------------------------------------------------------

@@ -30,6 +30,9 @@ OFFLOAD_WEIGHT_BYTES: Final = "brook_engine_offload_weight_bytes"  # label: wher
 OFFLOAD_BUDGET_BYTES: Final = "brook_engine_offload_budget_bytes"
 COMPILED_GRAPHS: Final = "brook_engine_compiled_graphs"  # held by the kernel cache
 COLD_START_SECONDS: Final = "brook_engine_cold_start_seconds"  # label: until
+MOE_LOAD_CV: Final = "brook_engine_moe_load_cv"  # tokens per expert: std / mean
+MOE_EXPERT_UTILIZATION: Final = "brook_engine_moe_expert_utilization"  # mean / busiest
+MOE_RANK_UTILIZATION: Final = "brook_engine_moe_rank_utilization"  # over expert-parallel ranks
 
 # Counters.
 REQUESTS_TOTAL: Final = "brook_engine_requests_total"  # label: finish_reason
@@ -50,6 +53,9 @@ COMPILE_CACHE_MISSES_TOTAL: Final = "brook_engine_compile_cache_misses_total"  #
 COMPILE_CACHE_EVICTIONS_TOTAL: Final = "brook_engine_compile_cache_evictions_total"
 COMPILE_FAILURES_TOTAL: Final = "brook_engine_compile_failures_total"  # buckets
 COMPILE_SECONDS_TOTAL: Final = "brook_engine_compile_seconds_total"
+MOE_ROUTED_TOKENS_TOTAL: Final = "brook_engine_moe_routed_tokens_total"  # token slots
+MOE_REROUTED_TOKENS_TOTAL: Final = "brook_engine_moe_rerouted_tokens_total"  # slots moved
+MOE_EXPERT_TOKENS_TOTAL: Final = "brook_engine_moe_expert_tokens_total"  # label: expert
 
 # Histograms (per finished request).
 TIME_TO_FIRST_TOKEN_SECONDS: Final = "brook_engine_time_to_first_token_seconds"

@@ -170,6 +170,31 @@ class EngineMetrics:
             "generated token.",
             ["until"],
         )
+        self.moe_cv = gauge(
+            names.MOE_LOAD_CV,
+            "MoE: coefficient of variation of tokens per expert (each layer's step, "
+            "token-weighted over recent steps); 0 is even.",
+        )
+        self.moe_utilization = gauge(
+            names.MOE_EXPERT_UTILIZATION,
+            "MoE: mean tokens per expert over the busiest expert's (recent steps); 1 is even.",
+        )
+        self.moe_rank_utilization = gauge(
+            names.MOE_RANK_UTILIZATION,
+            "MoE: mean tokens per expert-parallel rank over the busiest rank's; 1 is even.",
+        )
+        self.moe_routed = counter(
+            names.MOE_ROUTED_TOKENS_TOTAL, "MoE: token slots sent to experts (all layers)."
+        )
+        self.moe_rerouted = counter(
+            names.MOE_REROUTED_TOKENS_TOTAL,
+            "MoE: token slots moved off an overloaded expert (moe.reroute).",
+        )
+        self.moe_expert_tokens = counter(
+            names.MOE_EXPERT_TOKENS_TOTAL,
+            "MoE: token slots each expert served (all layers).",
+            ["expert"],
+        )
         self.ttft = histogram(
             names.TIME_TO_FIRST_TOKEN_SECONDS,
             "Arrival to first generated token.",
@@ -230,6 +255,15 @@ class EngineMetrics:
         for until, seconds in stats.cold_start_seconds.items():
             self.cold_start.labels(until=until).set(seconds)
         last = self._last
+        if stats.moe_routed_total:
+            self.moe_cv.set(stats.moe_load_cv)
+            self.moe_utilization.set(stats.moe_expert_utilization)
+            self.moe_rank_utilization.set(stats.moe_rank_utilization)
+        old_tokens = last.moe_expert_tokens_total if last else ()
+        for expert, tokens in enumerate(stats.moe_expert_tokens_total):
+            before_tokens = old_tokens[expert] if expert < len(old_tokens) else 0
+            if tokens > before_tokens:
+                self.moe_expert_tokens.labels(expert=str(expert)).inc(tokens - before_tokens)
         for metric, field in (
             (self.offload_transfer, "offload_transfer_seconds_total"),
             (self.offload_exposed, "offload_exposed_seconds_total"),
@@ -239,6 +273,8 @@ class EngineMetrics:
             (self.compile_evictions, "compile_evictions_total"),
             (self.compile_failures, "compile_failures_total"),
             (self.compile_seconds, "compile_seconds_total"),
+            (self.moe_routed, "moe_routed_total"),
+            (self.moe_rerouted, "moe_rerouted_total"),
             (self.prompt_tokens, "num_prompt_tokens_total"),
             (self.generation_tokens, "num_generation_tokens_total"),
             (self.preemptions, "num_preemptions_total"),

@@ -47,6 +47,14 @@ class EngineStats:
     compile_failures_total: int = 0
     compile_seconds_total: float = 0.0
     cold_start_seconds: dict[str, float] = field(default_factory=dict)  # until -> seconds
+    # mixture-of-experts routing (this rank's layers; layers.moe.ExpertLoadFigures)
+    moe_routed_total: int = 0  # token slots sent to experts (after rerouting)
+    moe_rerouted_total: int = 0  # slots dropped for a choice with room
+    moe_load_cv: float = 0.0
+    moe_load_std: float = 0.0  # tokens per expert per layer-step
+    moe_expert_utilization: float = 1.0
+    moe_rank_utilization: float = 1.0
+    moe_expert_tokens_total: tuple[int, ...] = ()  # per expert, all layers
 
 
 @dataclass(frozen=True)

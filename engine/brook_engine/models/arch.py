@@ -12,14 +12,21 @@ from pathlib import Path
 from typing import Any
 
 from brook_engine.config import ConfigError, ModelConfig, ModelFacts, split_model_uri
-from brook_engine.offload.plan import ModelShape
+from brook_engine.offload.plan import ExpertShape, ModelShape
 
-#: Architectures the engine runs, and whether their q/k/v projections carry a bias.
+#: Architectures the engine runs, and whether their q/k/v projections carry a bias (else
+#: ``attention_bias`` says).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": False,
     "MistralForCausalLM": False,
     "Qwen2ForCausalLM": True,
+    "Qwen3ForCausalLM": False,
+    "MixtralForCausalLM": False,
+    "Qwen2MoeForCausalLM": True,
+    "Qwen3MoeForCausalLM": False,
 }
+#: Architectures whose attention norms each head's queries and keys (RMSNorm over head_dim)
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 #: Rotary variants: plain, position interpolation, Llama 3.1's and YaRN.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -63,7 +70,13 @@ class ModelArch:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
+    qk_norm: bool = False
+    experts: ExpertShape | None = None  # mixture-of-experts layers (None: dense)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether global layer ``layer``'s FFN is the expert block."""
+        return self.experts is not None and layer in self.experts.sparse_layers
 
     def activation_bytes(self, max_tokens: int, max_seqs: int, tensor: int, itemsize: int) -> int:
         """Bytes the largest step's activations take on one tensor rank (``ModelShape``'s)."""
@@ -86,6 +99,8 @@ class ModelArch:
             o_bias=self.o_bias,
             mlp_bias=self.mlp_bias,
             max_position_embeddings=self.max_position_embeddings,
+            qk_norm=self.qk_norm,
+            experts=self.experts,
         )
 
     @property
@@ -121,8 +136,11 @@ class ModelArch:
                     f"{source}: rope type {rope_type!r} is not supported; Brook runs "
                     + ", ".join(ROPE_TYPES)
                 )
-            if arch == "Qwen2ForCausalLM" and not data.get("use_sliding_window", False):
-                window = None  # Qwen2 configs carry a window they do not use
+            if arch.startswith("Qwen") and not data.get("use_sliding_window", False):
+                window = None  # Qwen configs carry a window they do not use
+            experts = ExpertShape.from_config(data, arch)
+            if experts is not None:
+                _check_experts(experts, source)
             return cls(
                 architecture=arch,
                 hidden_size=hidden,
@@ -136,7 +154,9 @@ class ModelArch:
                 rope_theta=rope_theta,
                 max_position_embeddings=int(data.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
-                qkv_bias=SUPPORTED_ARCHITECTURES[arch] or bool(data.get("attention_bias", False)),
+                qkv_bias=bool(data.get("qkv_bias", True))
+                if arch == "Qwen2MoeForCausalLM"
+                else SUPPORTED_ARCHITECTURES[arch] or bool(data.get("attention_bias", False)),
                 o_bias=bool(data.get("attention_bias", False)),
                 mlp_bias=bool(data.get("mlp_bias", False)),
                 sliding_window=int(window) if window else None,
@@ -145,6 +165,8 @@ class ModelArch:
                 bos_token_id=data.get("bos_token_id"),
                 eos_token_ids=tuple(int(e) for e in eos_ids),
                 torch_dtype=data.get("dtype") or data.get("torch_dtype"),
+                qk_norm=arch in QK_NORM_ARCHITECTURES,
+                experts=experts,
                 extra=data,
             )
         except KeyError as exc:
@@ -162,3 +184,13 @@ class ModelArch:
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{path} is not valid JSON: {exc}") from None
         return cls.from_dict(data, source=str(path))
+
+
+def _check_experts(experts: ExpertShape, source: str) -> None:
+    if experts.num_experts < 1 or not 1 <= experts.experts_per_token <= experts.num_experts:
+        raise ConfigError(
+            f"{source}: num_experts_per_tok ({experts.experts_per_token}) must be between 1 "
+            f"and the number of experts ({experts.num_experts})"
+        )
+    if experts.expert_size < 1:
+        raise ConfigError(f"{source}: the experts' MLP width must be positive")

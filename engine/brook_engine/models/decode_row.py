@@ -149,6 +149,8 @@ class RowDecoding:
         # Checked every step, so read without nn.Module's attribute fallback (dict lookups):
         # submodules and parameters from their dicts, a linear's copies (plain attributes)
         # from its own.
+        if not layer.__dict__.get("row_kernel", True):
+            return None  # an expert block, or Qwen3's q/k norms: the Python path
         sub = layer._modules
         attn, mlp = sub["self_attn"]._modules, sub["mlp"]._modules
         modules = (attn["qkv_proj"], attn["o_proj"], mlp["gate_up_proj"], mlp["down_proj"])

@@ -1,6 +1,8 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2): pre-norm blocks of grouped-query
-attention and a SiLU-gated MLP. q/k/v and gate/up are fused into one projection each, so a
-layer runs four matrix multiplications.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) and its mixture-of-experts kin
+(Mixtral, Qwen2-MoE, Qwen3-MoE): pre-norm blocks of grouped-query attention (Qwen3's with
+per-head q/k RMSNorm) and a SiLU-gated MLP, or an expert block (``layers.moe``) in its place.
+q/k/v and gate/up are fused into one projection each, so a dense layer runs four matrix
+multiplications.
 
 Under tensor parallelism a rank builds the same modules with its share of the heads and of
 the MLP width (``layers.tensor_parallel``); under pipeline parallelism only its stage's
@@ -16,10 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from brook_engine.config import MoEConfig
 from brook_engine.kv.cache import LayerKVCache
 from brook_engine.layers import cpu_fused
 from brook_engine.layers.attention import AttentionMetadata, paged_attention
 from brook_engine.layers.linear import Linear, dense
+from brook_engine.layers.moe import ExpertLoad, Routing, SparseMoE
 from brook_engine.layers.norm import RMSNorm
 from brook_engine.layers.rotary import RotaryEmbedding
 from brook_engine.layers.tensor_parallel import (
@@ -107,6 +111,9 @@ class Attention(nn.Module):
         self.o_proj = make_linear(self.q_size, arch.hidden_size, arch.o_bias, dtype, int8)
         self.scale = arch.head_dim**-0.5
         self.comm = comm if shard.tp_size > 1 else None
+        # Qwen3: each head's queries and keys RMS-normed over head_dim before the rotation
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
 
     def forward(
         self,
@@ -130,32 +137,55 @@ class Attention(nn.Module):
         heads = self.num_heads + 2 * self.num_kv_heads
         qkv = self.qkv_proj(x).view(tokens, heads, self.head_dim)
         rotated = self.num_heads + self.num_kv_heads  # q and k heads are adjacent
+        if self.q_norm is not None and self.k_norm is not None:
+            for norm, start, end in (
+                (self.q_norm, 0, self.num_heads),
+                (self.k_norm, self.num_heads, rotated),
+            ):
+                part = qkv[:, start:end].reshape(-1, self.head_dim)
+                qkv[:, start:end] = norm(part).view(tokens, end - start, self.head_dim)
         qk = cpu_fused.rotary(qkv, *rotary, rotated)  # on CPU in place: qkv is ours alone
         return qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, rotated:]
 
 
 class MLP(nn.Module):
+    """A SiLU-gated MLP ``width`` wide on this rank: a dense layer's column/row-parallel
+    slice (its output all-reduced over ``comm``), a whole expert, or a shared expert's slice."""
+
     def __init__(
         self,
-        arch: ModelArch,
+        hidden_size: int,
+        width: int,
+        bias: bool,
         dtype: torch.dtype,
-        shard: Shard,
         comm: TensorComm | None,
         int8: W8A16 | None = None,
     ) -> None:
         super().__init__()
-        self.intermediate = arch.intermediate_size // shard.tp_size
-        self.gate_up_proj = make_linear(
-            arch.hidden_size, 2 * self.intermediate, arch.mlp_bias, dtype, int8
-        )
-        self.down_proj = make_linear(
-            self.intermediate, arch.hidden_size, arch.mlp_bias, dtype, int8
-        )
-        self.comm = comm if shard.tp_size > 1 else None
+        self.intermediate = width
+        self.gate_up_proj = make_linear(hidden_size, 2 * width, bias, dtype, int8)
+        self.down_proj = make_linear(width, hidden_size, bias, dtype, int8)
+        self.comm = comm
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         out = self.down_proj(cpu_fused.silu_mul(self.gate_up_proj(x)))
         return out if self.comm is None or not reduce else self.comm.all_reduce(out)
+
+
+def routing_for(arch: ModelArch, moe: MoEConfig | None) -> Routing | None:
+    """The router's rule for ``arch`` (None for a dense model) with the ``moe`` settings."""
+    experts = arch.experts
+    if experts is None:
+        return None
+    moe = moe or MoEConfig()
+    return Routing(
+        num_experts=experts.num_experts,
+        top_k=moe.top_k or experts.experts_per_token,
+        normalize=experts.normalize_top_k,
+        weights_in_model_dtype=arch.architecture != "MixtralForCausalLM",
+        reroute=moe.reroute,
+        threshold=moe.load_threshold,
+    )
 
 
 class DecoderLayer(nn.Module):
@@ -166,12 +196,35 @@ class DecoderLayer(nn.Module):
         shard: Shard,
         comm: TensorComm | None,
         int8: W8A16 | None = None,
+        index: int = 0,
+        routing: Routing | None = None,
     ) -> None:
+        """``index``: the layer's place in the whole model; ``routing``: the router's rule
+        where the model has experts."""
         super().__init__()
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        h = arch.hidden_size
+        self.input_layernorm = RMSNorm(h, arch.rms_norm_eps, dtype)
         self.self_attn = Attention(arch, dtype, shard, comm, int8)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.mlp = MLP(arch, dtype, shard, comm, int8)
+        self.post_attention_layernorm = RMSNorm(h, arch.rms_norm_eps, dtype)
+        reduce_over = comm if shard.tp_size > 1 else None
+        self.mlp: MLP | SparseMoE
+        if routing is not None and arch.is_sparse(index) and arch.experts is not None:
+            self.mlp = SparseMoE(
+                h,
+                arch.experts.expert_size,
+                arch.experts.shared_expert_size,
+                routing,
+                index,
+                dtype,
+                shard,
+                reduce_over,
+                lambda width, over: MLP(h, width, False, dtype, over, int8),
+            )
+        else:
+            width = arch.intermediate_size // shard.tp_size
+            self.mlp = MLP(h, width, arch.mlp_bias, dtype, reduce_over, int8)
+        # Brook's one-row decode kernel runs the dense Llama layer (models.decode_row)
+        self.row_kernel = isinstance(self.mlp, MLP) and not arch.qk_norm
 
     def forward(
         self,
@@ -215,6 +268,7 @@ class Decoder(nn.Module):
         shard: Shard,
         comm: TensorComm | None,
         int8: W8A16 | None = None,
+        moe: MoEConfig | None = None,
     ) -> None:
         super().__init__()
         self.embed_tokens = (
@@ -223,8 +277,10 @@ class Decoder(nn.Module):
             else None
         )
         end = arch.num_layers if shard.layer_end is None else shard.layer_end
+        routing = routing_for(arch, moe)
         self.layers = nn.ModuleList(
-            DecoderLayer(arch, dtype, shard, comm, int8) for _ in range(shard.layer_start, end)
+            DecoderLayer(arch, dtype, shard, comm, int8, i, routing)
+            for i in range(shard.layer_start, end)
         )
         self.norm = (
             RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype) if shard.last_stage else None
@@ -239,13 +295,22 @@ class CausalLM(nn.Module):
         shard: Shard | None = None,
         comm: TensorComm | None = None,
         int8: W8A16 | None = None,
+        moe: MoEConfig | None = None,
     ) -> None:
-        """``int8``: W8A16 projections (``quant.linear``); the embedding, norms and the LM
-        head's table stay in ``dtype``."""
+        """``int8``: W8A16 projections (``quant.linear``); the embedding, norms, routers and
+        the LM head's table stay in ``dtype``. ``moe``: the routing settings of a
+        mixture-of-experts model."""
         super().__init__()
         self.arch = arch
         self.shard = shard = shard or Shard()
-        self.model = Decoder(arch, dtype, shard, comm, int8)
+        self.model = Decoder(arch, dtype, shard, comm, int8, moe)
+        # Tokens per expert per layer, as this rank's routers sent them (MoE models)
+        self.expert_load: ExpertLoad | None = None
+        if arch.experts is not None:
+            self.expert_load = ExpertLoad(arch.experts.num_experts, shard.tp_size)
+            for layer in self.model.layers:
+                if isinstance(layer.mlp, SparseMoE):
+                    layer.mlp.load = self.expert_load
         self.lm_head = (
             VocabParallelHead(arch.vocab_size, arch.hidden_size, shard, comm, dtype)
             if shard.last_stage

@@ -22,6 +22,7 @@ from tqdm import tqdm
 from brook_engine.config import ConfigError, EngineConfig
 from brook_engine.layers import cpu_fused
 from brook_engine.layers.linear import keep_one_row_copies, pack_cpu_weights
+from brook_engine.layers.moe import SparseMoE
 from brook_engine.layers.tensor_parallel import Shard, TensorComm
 from brook_engine.models.arch import ModelArch
 from brook_engine.models.llama import CausalLM
@@ -34,6 +35,17 @@ from brook_engine.quant.quantize import quantize
 
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+#: An expert's projection: Qwen2/3-MoE's ``mlp.experts.E.gate_proj``, Mixtral's
+#: ``block_sparse_moe.experts.E.w1`` (w1 gate, w3 up, w2 down)
+_EXPERT = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)$")
+_EXPERT_PARTS = {
+    "gate_proj": "gate",
+    "up_proj": "up",
+    "down_proj": "down",
+    "w1": "gate",
+    "w3": "up",
+    "w2": "down",
+}
 
 
 @dataclass(frozen=True)
@@ -77,7 +89,8 @@ def load_model(
     ``group_size`` is ``quantization.groupSize``. ``offload``: this rank's memory plan; its
     streamed pieces are read one at a time into the host pool or the spill file and bound
     to their device slots (``model.streamer``), and the weight ledger holds every device
-    allocation to the budget."""
+    allocation to the budget. ``config``: the engine's (its ``moe`` routing, and the offload
+    settings)."""
     stored = quant_checkpoint.read_quantization(folder)
     if stored is not None and weights != stored.scheme:
         raise ConfigError(
@@ -87,7 +100,7 @@ def load_model(
         )
     int8 = _w8a16(weights, group_size, stored, folder)
     with torch.device("meta"):
-        model = CausalLM(arch, dtype, shard, comm, int8)
+        model = CausalLM(arch, dtype, shard, comm, int8, config.moe if config else None)
     ledger = WeightLedger(offload.budget_bytes if offload is not None else None)
     streamed = streamed_modules(model, offload)
     if offload is not None:
@@ -265,23 +278,66 @@ def placements(model: CausalLM, name: str, rows: int) -> list[Placement] | None:
     i0, i1 = shard.split(arch.intermediate_size)
     q_local, kv_local, inter_local = (h1 - h0) * d, (k1 - k0) * d, i1 - i0
     q_all, kv_all = arch.num_heads * d, arch.num_kv_heads * d
+    if module == "block_sparse_moe.gate":
+        module = "mlp.gate"  # Mixtral's router, where Brook keeps every family's
+    expert = _EXPERT.match(module)
+    if expert is not None:
+        return _expert_placement(
+            model, index, prefix, int(expert.group(1)), expert.group(2), kind, rows
+        )
+    shared = arch.experts.shared_expert_size if arch.experts is not None else 0
+    s0, s1 = shard.split(shared)
     column = {  # column-parallel: fused parameter, destination row, source row, rows, of
         "self_attn.q_proj": ("self_attn.qkv_proj", 0, h0 * d, q_local, q_all),
         "self_attn.k_proj": ("self_attn.qkv_proj", q_local, k0 * d, kv_local, kv_all),
         "self_attn.v_proj": ("self_attn.qkv_proj", q_local + kv_local, k0 * d, kv_local, kv_all),
         "mlp.gate_proj": ("mlp.gate_up_proj", 0, i0, inter_local, arch.intermediate_size),
         "mlp.up_proj": ("mlp.gate_up_proj", inter_local, i0, inter_local, arch.intermediate_size),
+        "mlp.shared_expert.gate_proj": ("mlp.shared_expert.gate_up_proj", 0, s0, s1 - s0, shared),
+        "mlp.shared_expert.up_proj": (
+            "mlp.shared_expert.gate_up_proj",
+            s1 - s0,
+            s0,
+            s1 - s0,
+            shared,
+        ),
     }
     if module in column:
         fused, dst, src, length, total = column[module]
         return [Placement(f"{prefix}{fused}.{kind}", dst, length, 0, src, source_rows=total)]
     row_parallel = {"self_attn.o_proj": h0 * d, "mlp.down_proj": i0}
+    if shared:
+        row_parallel["mlp.shared_expert.down_proj"] = s0
     if module in row_parallel:
         param = f"{prefix}{module}.{kind}"
         if kind == "bias":
             return [Placement(param, 0, rows, zero=shard.tp_rank != 0)]
         return [Placement(param, 0, rows, 1, row_parallel[module])]
     return _replicated(model, f"{prefix}{module}.{kind}")
+
+
+def _expert_placement(
+    model: CausalLM, index: int, prefix: str, expert: int, part: str, kind: str, rows: int
+) -> list[Placement] | None:
+    """Where expert ``expert``'s projection ``part`` of layer ``index`` goes: into this
+    rank's copy of that expert when it holds it (experts are split whole across tensor
+    ranks), nowhere on the others; None where the layer has no such expert."""
+    arch = model.arch
+    mlp = model.model.layers[index - model.shard.layer_start].mlp
+    which = _EXPERT_PARTS.get(part)
+    if not isinstance(mlp, SparseMoE) or which is None or arch.experts is None:
+        return None
+    if not 0 <= expert < arch.experts.num_experts:
+        return None
+    local = expert - mlp.first_expert
+    if not 0 <= local < len(mlp.experts):
+        return _ELSEWHERE
+    width = arch.experts.expert_size
+    target = f"{prefix}mlp.experts.{local}."
+    if which == "down":
+        return [Placement(f"{target}down_proj.{kind}", 0, rows)]
+    start = 0 if which == "gate" else width
+    return [Placement(f"{target}gate_up_proj.{kind}", start, width)]
 
 
 def _replicated(model: CausalLM, param: str) -> list[Placement] | None:

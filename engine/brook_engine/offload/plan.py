@@ -35,7 +35,56 @@ ALIGN = 64
 INT8_TILE = 16
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_QKV_BIAS = {"Qwen2ForCausalLM"}
+_QKV_BIAS = {"Qwen2ForCausalLM", "Qwen2MoeForCausalLM"}
+_QK_NORM = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    """A mixture-of-experts model's experts, as its ``config.json`` describes them."""
+
+    num_experts: int
+    experts_per_token: int
+    expert_size: int  # each expert's MLP width
+    shared_expert_size: int  # Qwen2-MoE's always-on expert (0: none)
+    normalize_top_k: bool  # top-k weights renormalized to sum to 1
+    sparse_layers: frozenset[int]  # layers whose FFN is the expert block (others: dense)
+
+    @classmethod
+    def from_config(cls, data: Mapping[str, Any], architecture: str) -> ExpertShape | None:
+        """None for a dense model. Mixtral: ``num_local_experts`` experts of
+        ``intermediate_size`` on every layer, top-k always renormalized; Qwen2/3-MoE:
+        ``num_experts`` of ``moe_intermediate_size`` on the layers ``decoder_sparse_step`` and
+        ``mlp_only_layers`` leave sparse, ``norm_topk_prob`` (Qwen2-MoE: a shared expert)."""
+        layers = int(data["num_hidden_layers"])
+        if architecture == "MixtralForCausalLM":
+            return cls(
+                num_experts=int(data["num_local_experts"]),
+                experts_per_token=int(data.get("num_experts_per_tok", 2)),
+                expert_size=int(data["intermediate_size"]),
+                shared_expert_size=0,
+                normalize_top_k=True,
+                sparse_layers=frozenset(range(layers)),
+            )
+        if architecture not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+            return None
+        experts = int(data.get("num_experts") or data["num_local_experts"])
+        step = int(data.get("decoder_sparse_step", 1))
+        dense = {int(i) for i in data.get("mlp_only_layers") or ()}
+        sparse = frozenset(
+            i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0
+        )
+        shared = 0
+        if architecture == "Qwen2MoeForCausalLM":
+            shared = int(data.get("shared_expert_intermediate_size") or 0)
+        return cls(
+            num_experts=experts,
+            experts_per_token=int(data.get("num_experts_per_tok", 2)),
+            expert_size=int(data["moe_intermediate_size"]),
+            shared_expert_size=shared,
+            normalize_top_k=bool(data.get("norm_topk_prob", False)),
+            sparse_layers=sparse,
+        )
 
 
 class PlanError(ConfigError):
@@ -70,6 +119,13 @@ class ModelShape:
     o_bias: bool
     mlp_bias: bool
     max_position_embeddings: int
+    qk_norm: bool = False  # Qwen3's per-head q/k RMSNorm
+    experts: ExpertShape | None = None
+
+    @property
+    def dense_layers(self) -> int:
+        """Layers whose FFN is a dense MLP of ``intermediate_size``."""
+        return self.num_layers - (len(self.experts.sparse_layers) if self.experts else 0)
 
     @classmethod
     def from_config(cls, data: Mapping[str, Any], source: str = "config.json") -> ModelShape:
@@ -91,6 +147,8 @@ class ModelShape:
                 o_bias=bool(data.get("attention_bias", False)),
                 mlp_bias=bool(data.get("mlp_bias", False)),
                 max_position_embeddings=int(data.get("max_position_embeddings", 2048)),
+                qk_norm=archs[0] in _QK_NORM,
+                experts=ExpertShape.from_config(data, str(archs[0])),
             )
         except KeyError as exc:
             raise ConfigError(f"{source}: missing {exc.args[0]!r}") from None
@@ -98,12 +156,18 @@ class ModelShape:
     @property
     def facts(self) -> ModelFacts:
         """What the configuration's checks need (``EngineConfig.check_against_model``)."""
+        experts = self.experts
         return ModelFacts(
             num_layers=self.num_layers,
             num_attention_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             max_position_embeddings=self.max_position_embeddings,
-            intermediate_size=self.intermediate_size,
+            num_experts=experts.num_experts if experts else 0,
+            # the dense MLP's width, where a layer has one (experts are not split by width)
+            intermediate_size=self.intermediate_size if self.dense_layers else 0,
+            architecture=self.architecture,
+            qk_norm=self.qk_norm,
+            shared_expert_size=experts.shared_expert_size if experts else 0,
         )
 
     def activation_bytes(self, max_tokens: int, max_seqs: int, tensor: int, itemsize: int) -> int:
@@ -112,7 +176,14 @@ class ModelShape:
         float32 logits for ``max_seqs`` sequences."""
         per_token = 4 * self.hidden_size
         per_token += (self.num_heads + 2 * self.num_kv_heads) * self.head_dim // tensor
-        per_token += 3 * self.intermediate_size // tensor  # gate_up output and its product
+        experts = self.experts
+        if experts is None or self.dense_layers:
+            per_token += 3 * self.intermediate_size // tensor  # gate_up output and its product
+        if experts is not None:  # each token's rows copied to its experts, and their outputs
+            per_token += experts.experts_per_token * (
+                3 * experts.expert_size + 2 * self.hidden_size
+            )
+            per_token += 3 * experts.shared_expert_size // tensor + experts.num_experts
         return max_tokens * per_token * itemsize + max_seqs * self.vocab_size * 4
 
 
@@ -136,13 +207,14 @@ class Linear:
     out: int
     inn: int
     bias: bool
+    quantizable: bool = True  # a router's gate stays in the model dtype under W8A16
 
     def tensors(
         self, dtype_bytes: int, int8_group: int | None, tiled: bool, int8: bool
     ) -> list[int]:
         """Bytes of each tensor the engine holds for this projection."""
         bias = [self.out * dtype_bytes] if self.bias else []
-        if not int8:
+        if not int8 or not self.quantizable:
             return [self.out * self.inn * dtype_bytes, *bias]
         groups = 1 if int8_group is None else self.inn // int8_group
         scales = [self.out * groups * dtype_bytes]
@@ -307,9 +379,15 @@ def stage_layer_counts(config: EngineConfig, shape: ModelShape) -> list[int]:
     par = config.parallel
     if par.stage_layers is not None:
         return list(par.stage_layers)
-    h, i = shape.hidden_size, shape.intermediate_size
+    h = shape.hidden_size
     layer = h * (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
-    layer += shape.num_heads * shape.head_dim * h + 3 * h * i
+    layer += shape.num_heads * shape.head_dim * h
+    experts = shape.experts
+    if experts is None:
+        layer += 3 * h * shape.intermediate_size
+    else:  # the work of a token: its experts and the shared one
+        layer += 3 * h * (experts.experts_per_token * experts.expert_size)
+        layer += 3 * h * experts.shared_expert_size
     return split_layers(shape.num_layers, par.pipeline, 1.0, 0.0, h * shape.vocab_size / layer)
 
 
@@ -321,9 +399,22 @@ def rank_linears(shape: ModelShape, tensor: int) -> dict[PieceKind, list[Linear]
     q, kv = heads * d, kv_heads * d
     inter = shape.intermediate_size // tensor
     h = shape.hidden_size
+    experts = shape.experts
+    if experts is None:
+        ffn = [Linear(2 * inter, h, shape.mlp_bias), Linear(h, inter, shape.mlp_bias)]
+    else:
+        # A sparse layer (the plan's pieces are alike; a dense layer of a mixed model is
+        # smaller): the router, this rank's share of the experts, the shared expert's slice.
+        e, shared = experts.expert_size, experts.shared_expert_size // tensor
+        ffn = [Linear(experts.num_experts, h, False, quantizable=False)]
+        for _ in range(experts.num_experts // tensor):
+            ffn += [Linear(2 * e, h, False), Linear(h, e, False)]
+        if shared:
+            ffn += [Linear(2 * shared, h, False), Linear(h, shared, False)]
+            ffn += [Linear(1, h, False, quantizable=False)]
     return {
         "attention": [Linear(q + 2 * kv, h, shape.qkv_bias), Linear(h, q, shape.o_bias)],
-        "ffn": [Linear(2 * inter, h, shape.mlp_bias), Linear(h, inter, shape.mlp_bias)],
+        "ffn": ffn,
     }
 
 
@@ -361,7 +452,8 @@ def fixed_bytes(
     h = shape.hidden_size
     rows = -(-shape.vocab_size // tensor)
     table = rows * h * d
-    out = {"embedding": table if first else 0, "head": 0, "norms": 2 * num_layers * h * d}
+    norms = 2 * h + (2 * shape.head_dim if shape.qk_norm else 0)
+    out = {"embedding": table if first else 0, "head": 0, "norms": num_layers * norms * d}
     if last:
         out["norms"] += h * d
         shared = shape.tie_word_embeddings and first

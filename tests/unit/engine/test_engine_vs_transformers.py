@@ -14,7 +14,7 @@ import torch
 from brook_engine import LLM, SamplingParams
 from support.greedy_reference import hf_greedy, random_prompts
 
-ARCHS = ["llama", "qwen2", "mistral"]
+ARCHS = ["llama", "qwen2", "mistral", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
 EXACT_KV = {
     "layer_policies": [{"start": 0.0, "end": 1.0, "dtype": "auto"}],
     "dynamic_precision": {"enabled": False},

@@ -49,6 +49,23 @@ def test_110b_tp4_pp2_w8a16_plan_matches_a_hand_count() -> None:
     assert rank.kv["blocks"] > 0 and rank.kv["sequences"] >= 1
 
 
+def test_qwen3_moe_ep4_plan_matches_a_hand_count() -> None:
+    config = read_plan_config(EXAMPLES / "qwen3-moe-npu-ep4.yaml")
+    plan = memory_plan(config, CONFIGS / "Qwen3-30B-A3B.json", 64)
+    assert len(plan.ranks) == 4
+    # By hand: hidden 2048, 32 heads of 128 and 4 KV heads over 4 ranks (8 and 1 each);
+    # 128 experts of 768, 32 whole experts per rank, the router (128 x 2048) on every rank.
+    attention = (1024 + 2 * 128) * 2048 * 2 + 2048 * 1024 * 2
+    ffn = 128 * 2048 * 2 + 32 * (2 * 768 * 2048 * 2 + 2048 * 768 * 2)
+    rank = plan.ranks[0]
+    assert rank.piece_bytes == {"attention": attention, "ffn": ffn}
+    # the layers' norms and Qwen3's per-head q/k norms, and the final norm
+    assert rank.fixed_bytes["norms"] == 48 * (2 * 2048 + 2 * 128) * 2 + 2048 * 2
+    assert rank.fixed_bytes["embedding"] == rank.fixed_bytes["head"] == 37984 * 2048 * 2
+    # 30.5 B parameters in bfloat16 over four cards
+    assert rank.total_bytes / GIB == pytest.approx(14.236, abs=0.001)
+
+
 @pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLES.glob("*.yaml")))
 def test_every_example_plans(example: str) -> None:
     config = read_plan_config(EXAMPLES / example)
@@ -56,6 +73,7 @@ def test_every_example_plans(example: str) -> None:
         "llama-70b-npu-tp8.yaml": "Llama-3.1-70B-Instruct",
         "qwen-110b-npu-tp4-pp2.yaml": "Qwen1.5-110B-Chat",
         "qwen-7b-autoscaled.yaml": "Qwen2.5-7B-Instruct",
+        "qwen3-moe-npu-ep4.yaml": "Qwen3-30B-A3B",
     }.get(example, "SmolLM2-135M-Instruct")
     plan = memory_plan(config, CONFIGS / f"{model}.json", 64)
     assert plan.ranks and all(r.total_bytes > 0 for r in plan.ranks)

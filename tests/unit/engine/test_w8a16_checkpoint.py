@@ -240,3 +240,33 @@ def test_offload_plans_a_quantized_folder_with_its_own_groups(
         assert got == expected
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_moe_experts_convert_and_load_with_routers_in_float(
+    family: str, make_tiny_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    """Every expert (Mixtral's w1/w2/w3, Qwen2-MoE's and its shared expert's projections) is
+    quantized, the routers are copied in float and listed in ``ignore``; the library reads
+    the folder, and Brook runs it as it runs load-time quantization."""
+    from compressed_tensors.entrypoints.convert import CompressedTensorsDequantizer
+
+    source = make_tiny_model(family)
+    output = tmp_path / "w8a16"
+    assert engine_cli(["convert", str(source), "--quantize", "w8a16", "--output", str(output)]) == 0
+    config = json.loads((output / "config.json").read_text())["quantization_config"]
+    assert config["ignore"][0] == "lm_head" and any("gate$" in i for i in config["ignore"])
+    stored = load_file(str(output / "model.safetensors"))
+    original = load_file(str(source / "model.safetensors"))
+    experts = [n for n in original if ".experts." in n or ".shared_expert." in n]
+    assert experts and all(n.removesuffix(".weight") + ".weight_packed" in stored for n in experts)
+    routers = [n for n in original if n.endswith(("mlp.gate.weight", "moe.gate.weight"))]
+    assert routers and all(torch.equal(stored[n], original[n]) for n in routers)
+    dense = CompressedTensorsDequantizer(str(output), dtype=torch.float32).process(dict(stored))
+    for name in experts:
+        assert torch.equal(dense[name], quantize(original[name]).dequantize(torch.float32)), name
+    at_load, from_folder = _int8_layers(source), _int8_layers(output)
+    assert at_load.keys() == from_folder.keys()
+    assert all(torch.equal(from_folder[n], w) for n, w in at_load.items())
+    w8a16 = {"weights": "w8a16"}
+    assert _greedy(output, quantization=w8a16) == _greedy(source, quantization=w8a16)

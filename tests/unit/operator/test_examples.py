@@ -52,6 +52,7 @@ def test_the_examples_cover_the_documented_deployments() -> None:
         "llama-70b-npu-tp8",
         "qwen-110b-npu-tp4-pp2",
         "qwen-7b-autoscaled",
+        "qwen3-moe-npu-ep4",
     }
 
 
