@@ -114,7 +114,10 @@ def _engine(
     model: str, options: dict[str, Any], tensor: int, reroute: bool, threshold: float
 ) -> LLMEngine:
     parallel = {"tensor": tensor, "micro_batches": 1}  # one routing batch per step
-    moe = {**options.get("moe", {}), "reroute": reroute, "load_threshold": threshold}
+    moe = {k: v for k, v in options.get("moe", {}).items() if k != "load_threshold"}
+    moe["reroute"] = reroute
+    if reroute:
+        moe["load_threshold"] = threshold
     config = engine_config_from_options(model, {**options, "parallel": parallel, "moe": moe})
     return LLMEngine(config, progress=False)
 
@@ -131,10 +134,12 @@ def _run(
     torch.set_num_threads(per_device * tensor)  # rank 0 keeps its share, workers theirs
     engine = _engine(model, options, tensor, reroute, threshold)
     try:
+        load = engine.runner.model.expert_load
+        if load is not None:
+            load.window = 1 << 40  # the whole run's steps, prefill ones included
         engine.warm_up()
         report = run_engine(engine, workload, "batch", progress=False)
         stats = engine.stats()
-        load = engine.runner.model.expert_load
         routed = max(1, stats.moe_routed_total + stats.moe_rerouted_total)
         name = "1 device" if tensor == 1 else f"EP={tensor}"
         return Row(
@@ -170,7 +175,8 @@ def w8a16_agreement(
 ) -> tuple[float, float]:
     """The same for W8A16 against the float model (reroute off): a change of known size."""
     quantized = {**options, "quantization": {"weights": "w8a16"}}
-    engines = [_engine(model, options, 1, False, threshold)]
+    plain = {**options, "quantization": {"weights": "none"}}
+    engines = [_engine(model, plain, 1, False, threshold)]
     engines.append(_engine(model, quantized, 1, False, threshold))
     return _compare(engines, prompts)
 
@@ -204,7 +210,7 @@ def bench_moe(args: Any, options: dict[str, Any]) -> int:
         model = str(build_random_moe(folder))
     options = {"device": "cpu", **options}
     threshold = float(options.get("moe", {}).get("load_threshold", 1.25))
-    probe = LLMEngine(engine_config_from_options(model, options), progress=False)
+    probe = _engine(model, options, 1, False, threshold)
     experts = probe.arch.experts
     if experts is None:
         print(f"error: --workload moe needs a mixture-of-experts model; {model} is dense")

@@ -33,6 +33,7 @@ class ModelFacts:
     num_kv_heads: int
     max_position_embeddings: int
     num_experts: int = 0
+    experts_per_token: int = 0
     intermediate_size: int = 0
     architecture: str = ""
     qk_norm: bool = False  # Qwen3's per-head q/k RMSNorm
@@ -128,6 +129,17 @@ def _model_kind_problems(config: EngineConfig, facts: ModelFacts) -> list[str]:
         if moe.top_k is not None and moe.top_k > facts.num_experts:
             problems.append(
                 f"moe.topK ({moe.top_k}) exceeds the model's {facts.num_experts} experts"
+            )
+        top_k = moe.top_k or facts.experts_per_token
+        if moe.reroute and top_k == 1:
+            problems.append(
+                "moe.reroute: with one expert per token there is no other choice to send a "
+                "token to; remove moe.reroute or raise moe.topK"
+            )
+        if not moe.reroute and moe.load_threshold != type(moe)().load_threshold:
+            problems.append(
+                "moe.loadThreshold: applies to rerouting; set moe.reroute: true or remove "
+                "moe.loadThreshold"
             )
         if facts.num_experts % par.tensor:
             problems.append(

@@ -146,10 +146,11 @@ def route(logits: torch.Tensor, routing: Routing) -> Routed:
         cap = capacity(logits.shape[0], routing)
         kept = load_aware_keep(experts, routing.num_experts, cap)
         held = weights * kept
+        kept_sum = held.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(held.dtype).tiny)
         if routing.normalize:
-            weights = held / held.sum(dim=-1, keepdim=True)
+            weights = held / kept_sum
         else:
-            weights = held * (weights.sum(dim=-1, keepdim=True) / held.sum(dim=-1, keepdim=True))
+            weights = held * (weights.sum(dim=-1, keepdim=True) / kept_sum)
     elif routing.normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     if routing.weights_in_model_dtype:

@@ -184,7 +184,7 @@ class EngineMetrics:
             "MoE: mean tokens per expert-parallel rank over the busiest rank's; 1 is even.",
         )
         self.moe_routed = counter(
-            names.MOE_ROUTED_TOKENS_TOTAL, "MoE: token slots sent to experts (all layers)."
+            names.MOE_ROUTED_TOKENS_TOTAL, "MoE: token slots sent to experts (this stage's layers)."
         )
         self.moe_rerouted = counter(
             names.MOE_REROUTED_TOKENS_TOTAL,
@@ -192,7 +192,7 @@ class EngineMetrics:
         )
         self.moe_expert_tokens = counter(
             names.MOE_EXPERT_TOKENS_TOTAL,
-            "MoE: token slots each expert served (all layers).",
+            "MoE: token slots each expert served (this stage's layers).",
             ["expert"],
         )
         self.ttft = histogram(

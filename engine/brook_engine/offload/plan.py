@@ -35,8 +35,10 @@ ALIGN = 64
 INT8_TILE = 16
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_QKV_BIAS = {"Qwen2ForCausalLM", "Qwen2MoeForCausalLM"}
+_QKV_BIAS = {"Qwen2ForCausalLM"}
 _QK_NORM = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}
+#: Qwen MoE families: transformers' defaults for (num_experts_per_tok, the shared expert's width)
+_QWEN_MOE_DEFAULTS = {"Qwen2MoeForCausalLM": (4, 5632), "Qwen3MoeForCausalLM": (8, 0)}
 
 
 @dataclass(frozen=True)
@@ -66,20 +68,22 @@ class ExpertShape:
                 normalize_top_k=True,
                 sparse_layers=frozenset(range(layers)),
             )
-        if architecture not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        if architecture not in _QWEN_MOE_DEFAULTS:
             return None
-        experts = int(data.get("num_experts") or data["num_local_experts"])
+        # absent keys take transformers' own defaults for the family
+        top_k, shared_default = _QWEN_MOE_DEFAULTS[architecture]
+        experts = int(data.get("num_experts", data.get("num_local_experts", 0)) or 0)
+        if experts == 0:
+            return None  # transformers builds every layer dense then
         step = int(data.get("decoder_sparse_step", 1))
         dense = {int(i) for i in data.get("mlp_only_layers") or ()}
-        sparse = frozenset(
-            i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0
-        )
+        sparse = frozenset(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
         shared = 0
         if architecture == "Qwen2MoeForCausalLM":
-            shared = int(data.get("shared_expert_intermediate_size") or 0)
+            shared = int(data.get("shared_expert_intermediate_size", shared_default) or 0)
         return cls(
             num_experts=experts,
-            experts_per_token=int(data.get("num_experts_per_tok", 2)),
+            experts_per_token=int(data.get("num_experts_per_tok", top_k)),
             expert_size=int(data["moe_intermediate_size"]),
             shared_expert_size=shared,
             normalize_top_k=bool(data.get("norm_topk_prob", False)),
@@ -143,7 +147,9 @@ class ModelShape:
                 head_dim=int(data.get("head_dim") or hidden // heads),
                 vocab_size=int(data["vocab_size"]),
                 tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
-                qkv_bias=archs[0] in _QKV_BIAS or bool(data.get("attention_bias", False)),
+                qkv_bias=bool(data.get("qkv_bias", True))
+                if archs[0] == "Qwen2MoeForCausalLM"
+                else archs[0] in _QKV_BIAS or bool(data.get("attention_bias", False)),
                 o_bias=bool(data.get("attention_bias", False)),
                 mlp_bias=bool(data.get("mlp_bias", False)),
                 max_position_embeddings=int(data.get("max_position_embeddings", 2048)),
@@ -163,6 +169,7 @@ class ModelShape:
             num_kv_heads=self.num_kv_heads,
             max_position_embeddings=self.max_position_embeddings,
             num_experts=experts.num_experts if experts else 0,
+            experts_per_token=experts.experts_per_token if experts else 0,
             # the dense MLP's width, where a layer has one (experts are not split by width)
             intermediate_size=self.intermediate_size if self.dense_layers else 0,
             architecture=self.architecture,

@@ -301,6 +301,8 @@ def test_w8a16_experts_are_int8_and_track_the_float_model(
         ("llama", {"moe": {"reroute": True}}, r"moe\.reroute: .*dense model"),
         ("llama", {"moe": {"top_k": 2}}, r"moe\.topK: .*dense model"),
         ("mixtral", {"moe": {"top_k": 5}}, r"moe\.topK \(5\) exceeds the model's 4 experts"),
+        ("mixtral", {"moe": {"top_k": 1, "reroute": True}}, r"moe\.reroute: with one expert"),
+        ("mixtral", {"moe": {"load_threshold": 1.5}}, r"moe\.loadThreshold: applies to rerout"),
         (
             "qwen2_moe",
             {"parallel": {"tensor": 4}},
