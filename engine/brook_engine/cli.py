@@ -13,14 +13,18 @@ from brook_engine import __version__
 from brook_engine.config import ConfigError, dump_engine_config, load_engine_config
 
 _ENGINE_FLAGS = {
-    # flag: (option name for LLM(...), type)
-    "--dtype": ("dtype", str),
-    "--max-model-len": ("max_model_len", int),
-    "--max-num-seqs": ("max_num_seqs", int),
-    "--max-num-batched-tokens": ("max_num_batched_tokens", int),
-    "--num-blocks": ("num_blocks", int),
-    "--block-size": ("block_size", int),
-    "--device": ("device", str),
+    # flag: (option name for LLM(...), type, help)
+    "--dtype": ("dtype", str, "model.dtype: auto, float32, bfloat16 or float16"),
+    "--max-model-len": ("max_model_len", int, "model.maxModelLen: longest prompt + output"),
+    "--max-num-seqs": ("max_num_seqs", int, "scheduler.maxNumSeqs: sequences running at once"),
+    "--max-num-batched-tokens": (
+        "max_num_batched_tokens",
+        int,
+        "scheduler.maxNumBatchedTokens: tokens per step (prefill chunks and decodes)",
+    ),
+    "--num-blocks": ("num_blocks", int, "kvCache.numBlocks: KV blocks (default: from memory)"),
+    "--block-size": ("block_size", int, "kvCache.blockSize: tokens per KV block"),
+    "--device": ("device", str, "auto, cpu, cuda or npu"),
 }
 _QUANTIZATION_HELP = (
     "quantization.weights: w8a16 quantizes the projections to int8 with a scale per output "
@@ -30,9 +34,11 @@ _QUANTIZATION_HELP = (
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
-    parser.add_argument("--model", required=model_required, help="Hugging Face model folder")
-    for flag, (_, kind) in _ENGINE_FLAGS.items():
-        parser.add_argument(flag, type=kind, default=None)
+    parser.add_argument(
+        "--model", required=model_required, help="Hugging Face model folder (model.uri)"
+    )
+    for flag, (_, kind, text) in _ENGINE_FLAGS.items():
+        parser.add_argument(flag, type=kind, default=None, help=text)
     parser.add_argument(
         "--kv-dtype",
         default=None,
@@ -122,7 +128,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser, model_required: bool = Tr
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The ``LLM(...)`` options the engine flags set."""
     options: dict[str, Any] = {}
-    for flag, (name, _) in _ENGINE_FLAGS.items():
+    for flag, (name, _, _) in _ENGINE_FLAGS.items():
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if value is not None:
             options[name] = value
@@ -287,9 +293,11 @@ def build_parser() -> argparse.ArgumentParser:
         command = sub.add_parser(name, help=text)
         _add_engine_flags(command)
         command.add_argument("prompt")
-        command.add_argument("--max-tokens", type=int, default=64)
-        command.add_argument("--temperature", type=float, default=0.0)
-        command.add_argument("--seed", type=int, default=None)
+        command.add_argument("--max-tokens", type=int, default=64, help="tokens to generate")
+        command.add_argument(
+            "--temperature", type=float, default=0.0, help="0 (default): greedy; above: sampled"
+        )
+        command.add_argument("--seed", type=int, default=None, help="seed of the sampling")
         command.set_defaults(func=_cmd_generate)
 
     serve = sub.add_parser(
@@ -349,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="throughput and latency on a synthetic workload")
     _add_engine_flags(bench)
-    bench.add_argument("--num-requests", type=int, default=64)
+    bench.add_argument("--num-requests", type=int, default=64, help="requests in the workload")
     bench.add_argument("--input-len", default="128", help="N, or LOW:HIGH for uniform lengths")
     bench.add_argument("--output-len", default="128", help="N, or LOW:HIGH for uniform lengths")
     bench.add_argument(
@@ -397,7 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="--workload parallel: only these rows (comma list of their names, e.g. "
         "'PP=2 m=2,PP=2 adaptive from m=1'); one device always runs",
     )
-    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     bench.add_argument("--compare", default="", help="peers to run too: hf, vllm (comma list)")
     bench.add_argument(
         "--rounds",

@@ -92,6 +92,53 @@ def _cmd_render(args: argparse.Namespace) -> int:
     return 1 if count else 0
 
 
+def _cmd_up(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from brook_operator.local_run import LocalOptions, local_engine_config, run_local
+
+    manifests = load_manifests(args.filename)  # ManifestError: main reports it
+    valid, count = _validated(manifests)
+    if count:
+        return 1
+    if args.name:
+        valid = [m for m in valid if m.obj.get("metadata", {}).get("name") == args.name]
+    if len(valid) != 1:
+        names = ", ".join(m.label for m in valid) or "none"
+        which = f"named {args.name!r} " if args.name else ""
+        print(
+            f"error: `brook up` runs one LLMInference; {len(valid)} {which}found ({names}): "
+            "pick one with --name",
+            file=sys.stderr,
+        )
+        return 2
+    llmi = LLMInference.model_validate(valid[0].obj)
+    options = LocalOptions(
+        model=Path(args.model) if args.model else None,
+        host=args.host,
+        port=args.port,
+        device=args.device,
+        api_key_file=args.api_key_file,
+        api_key_env=args.api_key_env,
+    )
+    config = local_engine_config(llmi, options)
+    if llmi.spec.replicas and llmi.spec.replicas > 1 and args.replicas is None:
+        print(
+            f"note: spec.replicas is {llmi.spec.replicas}; `brook up` runs one replica here",
+            file=sys.stderr,
+        )
+    server = config.server
+    print(
+        f"{valid[0].label}: serving {config.model.served_name or config.model.uri} on "
+        f"http://{server.host}:{server.port}/v1 ({config.device}, tensor "
+        f"{config.parallel.tensor} x pipeline {config.parallel.pipeline}); Ctrl-C drains and "
+        "stops",
+        file=sys.stderr,
+        flush=True,
+    )
+    return run_local(config, args.replicas)
+
+
 def _cmd_operator(args: argparse.Namespace) -> int:
     import logging
 
@@ -256,6 +303,34 @@ def build_parser() -> argparse.ArgumentParser:
     render.add_argument("--engine-image", help="engine image of resources without spec.image")
     render.set_defaults(func=_cmd_render)
 
+    up = sub.add_parser(
+        "up",
+        help="run an LLMInference on this machine, no cluster: the engine configuration the "
+        "operator would mount, its ranks as local processes, the OpenAI API on a local port",
+        description="Run the manifest you will deploy on this machine first. Example: "
+        "brook up -f crds/examples/smollm2-cpu.yaml --model models/SmolLM2-135M-Instruct "
+        "--port 8000",
+    )
+    up.add_argument("-f", "--filename", action="append", required=True, help=files_help)
+    up.add_argument("--name", help="the LLMInference to run when the files hold several")
+    up.add_argument(
+        "--model",
+        help="the model's folder on this machine (needed where spec.model.uri is not file://)",
+    )
+    up.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
+    up.add_argument("--port", type=int, help="port (default: spec.server.port, 8000)")
+    up.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda", "npu"),
+        help="run on this device instead of spec.accelerator.type (e.g. cpu on a laptop)",
+    )
+    up.add_argument("--api-key-file", help="API key file, where the manifest asks for a key")
+    up.add_argument("--api-key-env", help="environment variable holding the API key")
+    up.add_argument(
+        "--replicas", type=int, help="replicas to run here (one: a machine's devices are shared)"
+    )
+    up.set_defaults(func=_cmd_up)
+
     operator = sub.add_parser(
         "operator", help="run the controller that turns LLMInference resources into pods"
     )
@@ -364,7 +439,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ManifestError as exc:  # files that cannot be read as manifests (validate, render)
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except ConfigError as exc:  # a --model-config that cannot be read
+    except ConfigError as exc:  # a --model-config that cannot be read, a manifest `up` cannot run
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -275,14 +275,14 @@ def test_w8a16_experts_are_int8_and_track_the_float_model(
     assert isinstance(layer.mlp, SparseMoE)
     assert all(isinstance(e.gate_up_proj, Int8Linear) for e in layer.mlp.experts)
     assert layer.mlp.gate.weight.dtype == torch.float32  # the router stays in float
-    from transformers import AutoModelForCausalLM
-
-    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    # The int8 experts are the float ones to within their quantization: the logits stay
+    # close to the float engine's (a random tiny model's near-ties may still flip a choice).
     [prompt] = random_prompts(320, [20], seed=6)
-    with torch.no_grad():
-        want = reference(torch.tensor([prompt])).logits[0]
+    want = _llm(folder).engine.prompt_logits(prompt)
     got = llm.engine.prompt_logits(prompt)
-    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+    cosine = torch.nn.functional.cosine_similarity(got, want, dim=-1)
+    assert float(cosine.min()) > 0.998
+    assert not torch.equal(got, want)  # they are quantized
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     [out] = llm.generate([prompt], params, use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 8
@@ -343,3 +343,53 @@ def test_the_memory_plan_counts_what_an_moe_model_loads(
     )  # fmt: skip
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     assert plan.ranks[0].total_bytes == held
+
+
+@pytest.mark.parametrize(
+    ("tensors", "message"),
+    [
+        # an expert the config does not have
+        (
+            {"model.layers.0.block_sparse_moe.experts.4.w1.weight": torch.zeros(96, 64)},
+            r"unexpected tensor 'model\.layers\.0\.block_sparse_moe\.experts\.4\.w1\.weight'",
+        ),
+        # a part no expert has
+        (
+            {"model.layers.1.block_sparse_moe.experts.0.w9.weight": torch.zeros(96, 64)},
+            r"unexpected tensor 'model\.layers\.1\.block_sparse_moe\.experts\.0\.w9\.weight'",
+        ),
+        # an expert's projection missing: named as Brook holds it
+        (
+            {"model.layers.2.block_sparse_moe.experts.1.w3.weight": None},
+            r"checkpoint lacks model\.layers\.2\.mlp\.experts\.1\.gate_up_proj\.weight",
+        ),
+        # a router of the wrong width
+        (
+            {"model.layers.0.block_sparse_moe.gate.weight": torch.zeros(5, 64)},
+            r"tensor 'model\.layers\.0\.block_sparse_moe\.gate\.weight' has shape \(5, 64\)",
+        ),
+    ],
+)
+def test_bad_moe_checkpoints_name_the_tensor(
+    tensors: dict[str, torch.Tensor | None],
+    message: str,
+    make_tiny_model: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source = make_tiny_model("mixtral")
+    for path in source.iterdir():
+        if path.is_file() and path.suffix != ".safetensors":
+            shutil.copy(path, tmp_path / path.name)
+    state = load_file(source / "model.safetensors")
+    for name, tensor in tensors.items():
+        if tensor is None:
+            state.pop(name)
+        else:
+            state[name] = tensor
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=message):
+        _llm(tmp_path)

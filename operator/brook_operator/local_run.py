@@ -1,0 +1,107 @@
+"""``brook up -f MANIFEST``: an ``LLMInference`` run on this machine, with no cluster.
+
+The engine configuration is the one the operator mounts into the pods (``to_engine_config``,
+the same function), with only what differs outside a pod replaced: the model's folder on this
+machine, the address the server listens on (loopback by default, where a pod listens on all
+interfaces), the API key's source (a file or environment variable here, a Secret there) and,
+when asked, the device (an NPU manifest tried on a laptop's CPU). ``brook-engine serve`` then
+runs it as the pod's entry point would: every tensor × pipeline rank a local process, the
+OpenAI API on the port, a graceful drain on SIGTERM or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+from brook_engine.config import (
+    ApiKeyConfig,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    dump_engine_config,
+    split_model_uri,
+)
+from brook_operator.api import LLMInference, to_engine_config
+
+
+@dataclass(frozen=True)
+class LocalOptions:
+    """What ``brook up`` changes of the pod's configuration (None: keep the manifest's)."""
+
+    model: Path | None = None  # the model's folder here, where the manifest's URI is remote
+    host: str = "127.0.0.1"
+    port: int | None = None
+    device: str | None = None
+    api_key_file: str | None = None
+    api_key_env: str | None = None
+
+
+def local_engine_config(llmi: LLMInference, options: LocalOptions) -> EngineConfig:
+    """The pod's ``EngineConfig`` of ``llmi`` for this machine (see the module docstring);
+    a ``ConfigError`` naming the field and the flag that fixes it."""
+    config = to_engine_config(llmi.spec)
+    model = config.model
+    if options.model is not None:
+        folder = options.model.expanduser().resolve()
+        model = ModelConfig.model_validate(
+            {**model.model_dump(by_alias=False), "uri": f"file://{folder}"}
+        )
+    else:
+        scheme, _ = split_model_uri(model.uri)
+        if scheme != "file":
+            raise ConfigError(
+                f"spec.model.uri is {model.uri!r}: `brook up` runs a model from a folder on "
+                "this machine; download it and give --model FOLDER"
+            )
+    server = config.server.model_copy(update={"host": options.host})
+    if options.port is not None:
+        server = server.model_copy(update={"port": options.port})
+    if options.api_key_file or options.api_key_env:
+        key = ApiKeyConfig(file=options.api_key_file, env=options.api_key_env)
+        server = server.model_copy(update={"api_key": key})
+    elif llmi.spec.server.api_key_secret_ref is not None:
+        raise ConfigError(
+            "spec.server.apiKeySecretRef: the manifest requires an API key, which a pod reads "
+            "from its Secret; give --api-key-file FILE or --api-key-env VARIABLE"
+        )
+    update: dict[str, object] = {"model": model, "server": server}
+    if options.device is not None:
+        update["device"] = options.device
+    local = config.model_copy(update=update)
+    # validate the whole as the engine will read it (the device, the model's folder)
+    return EngineConfig.model_validate(local.model_dump(by_alias=False))
+
+
+def run_local(config: EngineConfig, replicas: int | None, stream_log: bool = True) -> int:
+    """Run ``config`` with ``brook-engine serve`` until it exits; SIGINT and SIGTERM reach it
+    as SIGTERM (a graceful drain). Returns its exit status."""
+    if replicas is not None and replicas != 1:
+        raise ConfigError(
+            f"--replicas {replicas}: `brook up` runs one replica; replicas on one machine "
+            "would share its devices and cores and only split them (spec.replicas is for the "
+            "cluster: `brook deploy` or kubectl apply)"
+        )
+    with tempfile.TemporaryDirectory(prefix="brook-up-") as folder:
+        path = Path(folder) / "engine.yaml"
+        path.write_text(dump_engine_config(config), encoding="utf-8")
+        command = [sys.executable, "-m", "brook_engine.cli", "serve", "--config", str(path)]
+        child = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+        def forward(signum: int, frame: FrameType | None) -> None:
+            del signum, frame
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)  # the engine drains, then exits
+
+        previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            return child.wait()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)

@@ -1,0 +1,123 @@
+"""``brook up -f MANIFEST``: the shipped CPU example run on this machine (its model folder
+given with ``--model``) answers the official ``openai`` client and drains on SIGTERM; its
+engine configuration is the one the operator mounts into the pods, but for what only exists
+outside a pod (asserted for every shipped example); what it cannot run is refused with the
+field and the flag that fixes it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import openai
+import pytest
+import yaml
+from tests.support.engine_server import ServerProcess
+from tests.support.examples import ROOT
+from tests.support.ports import free_port
+
+from brook_engine import LLM, SamplingParams
+from brook_engine.config import ConfigError
+from brook_operator.api import LLMInference
+from brook_operator.cli import main
+from brook_operator.local_run import LocalOptions, local_engine_config
+from brook_operator.render import OperatorSettings
+from brook_operator.render.config_map import pod_engine_config
+
+EXAMPLES = sorted((ROOT / "crds" / "examples").glob("*.yaml"))
+
+
+def _llmi(path: Path) -> LLMInference:
+    return LLMInference.model_validate(yaml.safe_load(path.read_text()))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_the_local_configuration_is_the_pods_but_for_what_a_pod_alone_has(
+    path: Path, tmp_path: Path
+) -> None:
+    llmi = _llmi(path)
+    pod = pod_engine_config(llmi, OperatorSettings())
+    key = tmp_path / "key"
+    options = LocalOptions(model=tmp_path, port=8123, api_key_file=str(key), device="cpu")
+    local = local_engine_config(llmi, options)
+    assert local.model.uri == f"file://{tmp_path.resolve()}"
+    assert local.model.model_copy(update={"uri": pod.model.uri}) == pod.model
+    assert (local.server.host, local.server.port) == ("127.0.0.1", 8123)
+    assert local.server.api_key is not None and local.server.api_key.file == str(key)
+    unchanged = {"host": pod.server.host, "port": pod.server.port, "api_key": pod.server.api_key}
+    assert local.server.model_copy(update=unchanged) == pod.server
+    assert local.device == "cpu"
+    same = {"model": pod.model, "server": pod.server, "device": pod.device}
+    assert local.model_copy(update=same) == pod  # every engine section as the pod has it
+
+
+def test_what_it_cannot_run_is_refused_with_the_fix(tmp_path: Path) -> None:
+    remote = _llmi(ROOT / "crds" / "examples" / "qwen-110b-npu-tp4-pp2.yaml")
+    with pytest.raises(ConfigError, match=r"spec\.model\.uri is 'pvc://.*give --model FOLDER"):
+        local_engine_config(remote, LocalOptions())
+    keyed = _llmi(ROOT / "crds" / "examples" / "llama-70b-npu-tp8.yaml")
+    with pytest.raises(ConfigError, match=r"apiKeySecretRef.*--api-key-file"):
+        local_engine_config(keyed, LocalOptions(model=tmp_path))
+
+
+def test_cli_refusals_name_the_flag(
+    make_tiny_model: Callable[..., Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    example = str(ROOT / "crds" / "examples" / "tiny-cpu.yaml")
+    folder = str(make_tiny_model("llama"))
+    assert main(["up", "-f", example, "--model", folder, "--replicas", "2"]) == 2
+    assert "--replicas 2: `brook up` runs one replica" in capsys.readouterr().err
+    everything = str(ROOT / "crds" / "examples")
+    assert main(["up", "-f", everything, "--model", folder]) == 2
+    assert "pick one with --name" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_brook_up_serves_the_example_and_drains_on_a_signal(
+    stop: signal.Signals, make_tiny_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    folder = make_tiny_model("llama")
+    example = ROOT / "crds" / "examples" / "tiny-cpu.yaml"
+    port = free_port()
+    log_path = tmp_path / "up.log"
+    command = [sys.executable, "-m", "brook_operator.cli", "up", "-f", str(example)]
+    command += ["--model", str(folder), "--port", str(port)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    handle = ServerProcess(proc, f"http://127.0.0.1:{port}", log_path, None)
+    try:
+        deadline = time.monotonic() + 180
+        while not _ready(handle):
+            assert proc.poll() is None, handle.log()[-3000:]
+            assert time.monotonic() < deadline, handle.log()[-3000:]
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=handle.url + "/v1", api_key="none", max_retries=0)
+        prompt = [5, 6, 7, 8, 9, 10]
+        reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0)
+        kv = {"num_blocks": 256, "layer_policies": [{"start": 0.0, "end": 1.0, "dtype": "auto"}]}
+        kv["dynamic_precision"] = {"enabled": False}  # as the example's kvCache
+        offline = LLM(str(folder), dtype="float32", device="cpu", progress=False, kv_cache=kv)
+        [expected] = offline.generate([prompt], SamplingParams(max_tokens=6, temperature=0))
+        assert reply.choices[0].text == expected.outputs[0].text
+        proc.send_signal(stop)
+        assert proc.wait(timeout=60) == 0, handle.log()[-3000:]
+        log_text = handle.log()
+        assert f"http://127.0.0.1:{port}/v1" in log_text  # the endpoint, said at start
+        assert "drain" in log_text.lower()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _ready(handle: ServerProcess) -> bool:
+    try:
+        return handle.get("/ready", auth=False)[0] == 200
+    except OSError:
+        return False
