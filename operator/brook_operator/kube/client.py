@@ -221,15 +221,21 @@ class KubeClient:
             raise _error(status, raw, payload, response.headers.get("Retry-After"))
         return payload
 
-    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
-        """Server-side apply ``obj`` as the operator (creating it if absent), without force:
-        a 409 ``KubeError`` names the fields other managers own (``conflicts``)."""
+    def apply(
+        self, obj: dict[str, Any], *, manager: str = FIELD_MANAGER, dry_run: bool = False
+    ) -> dict[str, Any]:
+        """Server-side apply ``obj`` as ``manager`` (the operator unless told), creating it if
+        absent, without force: a 409 ``KubeError`` names the fields other managers own
+        (``conflicts``). ``dry_run``: the server checks and answers, and stores nothing."""
         metadata = obj["metadata"]
         path = resource_path(obj["apiVersion"], obj["kind"], metadata.get("namespace"), None)
+        query = {"fieldManager": manager}
+        if dry_run:
+            query["dryRun"] = "All"
         result: dict[str, Any] = self.request(
             "PATCH",
             f"{path}/{quote(metadata['name'])}",
-            query={"fieldManager": FIELD_MANAGER},
+            query=query,
             body=obj,
             content_type="application/apply-patch+yaml",
         )
