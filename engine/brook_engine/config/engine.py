@@ -110,7 +110,8 @@ class EngineConfig(EngineSections, _ModelAndDevice):
 
 def _model_kind_problems(config: EngineConfig, facts: ModelFacts) -> list[str]:
     """Settings that depend on the model being mixture-of-experts (or using Qwen3's q/k
-    norms): refused where this build does not run them, never ignored."""
+    norms): refused where this build does not run them, never ignored. (What needs no model
+    facts is refused in ``supported``, with its CEL twin.)"""
     problems: list[str] = []
     moe, par, name = config.moe, config.parallel, facts.architecture or "this model"
     if not facts.num_experts:
@@ -135,11 +136,6 @@ def _model_kind_problems(config: EngineConfig, facts: ModelFacts) -> list[str]:
             problems.append(
                 "moe.reroute: with one expert per token there is no other choice to send a "
                 "token to; remove moe.reroute or raise moe.topK"
-            )
-        if not moe.reroute and moe.load_threshold != type(moe)().load_threshold:
-            problems.append(
-                "moe.loadThreshold: applies to rerouting; set moe.reroute: true or remove "
-                "moe.loadThreshold"
             )
         if facts.num_experts % par.tensor:
             problems.append(

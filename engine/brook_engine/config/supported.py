@@ -35,6 +35,12 @@ def unsupported_settings(sections: EngineSections) -> list[str]:
             "shapes.oneRowWeights: one-row copies are of float weights; with "
             "quantization.weights w8a16 the int8 weights serve one row too — use model"
         )
+    moe = sections.moe
+    if not moe.reroute and moe.load_threshold != type(moe)().load_threshold:
+        problems.append(
+            "moe.loadThreshold: applies to rerouting; set moe.reroute: true or remove "
+            "moe.loadThreshold"
+        )
     shapes = sections.shapes
     if shapes.mode == "eager":
         defaults = type(shapes)()

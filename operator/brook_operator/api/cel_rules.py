@@ -15,6 +15,7 @@ from pydantic import BaseModel
 from brook_engine.config import (
     KVCacheConfig,
     LayerPolicy,
+    MoEConfig,
     OffloadConfig,
     SchedulerConfig,
 )
@@ -77,6 +78,12 @@ CEL_RULES: dict[type[BaseModel], list[Rule]] = {
             "quantization.groupSize: groups apply to quantized weights; set "
             "quantization.weights: w8a16 or remove groupSize",
             ".quantization.groupSize",
+        ),
+        Rule(
+            f"self.moe.reroute || self.moe.loadThreshold == {MoEConfig().load_threshold}",
+            "moe.loadThreshold: applies to rerouting; set moe.reroute: true or remove "
+            "moe.loadThreshold",
+            ".moe.loadThreshold",
         ),
         *(
             Rule(

@@ -71,6 +71,11 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
         "spec.shapes.patterns",
     ),
     ("cache-dir-in-eager-mode", {"spec.shapes.cacheDir": "/cache"}, "spec.shapes.cacheDir"),
+    (
+        "load-threshold-without-reroute",
+        {"spec.moe.loadThreshold": 1.5},
+        "spec.moe.loadThreshold",
+    ),
     ("offload-policy-enum", {"spec.offload.policy": "sometimes"}, "spec.offload.policy"),
     ("tp-pp-does-not-fit", {"spec.parallel.tensor": 3}, "spec.parallel"),
     (
