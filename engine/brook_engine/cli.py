@@ -274,15 +274,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return bench(args, _engine_options(args))
 
 
-def _cmd_completion(args: argparse.Namespace) -> int:
-    from brook_engine.completion import bash_completion
-
-    if args.shell == "zsh":
-        print("autoload -U +X bashcompinit && bashcompinit")
-    print(bash_completion(build_parser(), "brook-engine"), end="")
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="brook-engine", description="The Brook inference engine.")
     parser.add_argument("--version", action="version", version=f"brook-engine {__version__}")
@@ -458,13 +449,9 @@ def build_parser() -> argparse.ArgumentParser:
         "channels (a multiple of 32)",
     )
     convert.set_defaults(func=_cmd_convert)
-    completion = sub.add_parser(
-        "completion",
-        help="print shell completion: source <(brook-engine completion bash) (zsh: after "
-        "autoload -U bashcompinit && bashcompinit)",
-    )
-    completion.add_argument("shell", choices=("bash", "zsh"))
-    completion.set_defaults(func=_cmd_completion)
+    from brook_engine.completion import add_completion_command
+
+    add_completion_command(sub, "brook-engine", build_parser)
     return parser
 
 

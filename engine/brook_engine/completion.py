@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Callable
+from typing import Any
 
 #: flags whose value is a path: complete file names after them
 _PATH_WORDS = ("file", "config", "model", "dir", "output", "kubeconfig", "trace", "plot")
@@ -83,3 +85,23 @@ def bash_completion(parser: argparse.ArgumentParser, prog: str) -> str:
 }}
 complete -o default -F {function} {prog}
 """
+
+
+def add_completion_command(
+    sub: Any, prog: str, build_parser: Callable[[], argparse.ArgumentParser]
+) -> None:
+    """``prog completion bash|zsh`` on the subcommands ``sub`` of ``build_parser()``'s."""
+
+    def run(args: argparse.Namespace) -> int:
+        if args.shell == "zsh":
+            print("autoload -U +X bashcompinit && bashcompinit")
+        print(bash_completion(build_parser(), prog), end="")
+        return 0
+
+    completion = sub.add_parser(
+        "completion",
+        help=f"print shell completion: source <({prog} completion bash) (zsh: after "
+        "autoload -U bashcompinit && bashcompinit)",
+    )
+    completion.add_argument("shell", choices=("bash", "zsh"))
+    completion.set_defaults(func=run)

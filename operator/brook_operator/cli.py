@@ -298,15 +298,6 @@ def _cmd_autoscale_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_completion(args: argparse.Namespace) -> int:
-    from brook_engine.completion import bash_completion
-
-    if args.shell == "zsh":
-        print("autoload -U +X bashcompinit && bashcompinit")
-    print(bash_completion(build_parser(), "brook"), end="")
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     from brook_operator.autoscaler.simulate.baselines import POLICIES
 
@@ -495,13 +486,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--decisions", help="write every autoscaling decision, with its reason, to this CSV"
     )
     simulate.set_defaults(func=_cmd_autoscale_simulate)
-    completion = sub.add_parser(
-        "completion",
-        help="print shell completion: source <(brook completion bash) (zsh: after "
-        "autoload -U bashcompinit && bashcompinit)",
-    )
-    completion.add_argument("shell", choices=("bash", "zsh"))
-    completion.set_defaults(func=_cmd_completion)
+    from brook_engine.completion import add_completion_command
+
+    add_completion_command(sub, "brook", build_parser)
     return parser
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from brook_engine import LLM
 from support.engine_server import API_KEY, ServerProcess, start_server
 
 __all__ = ["API_KEY", "ServerProcess"]
@@ -38,3 +39,12 @@ def api_server(
     yield handle
     assert handle.stop() == 0, handle.log()[-3000:]
     assert API_KEY not in handle.log(), "the API key reached the log"
+
+
+@pytest.fixture
+def engines() -> Iterator[list[LLM]]:
+    """Engines a test starts; their worker processes are stopped after it, pass or fail."""
+    started: list[LLM] = []
+    yield started
+    for llm in started:
+        llm.close()

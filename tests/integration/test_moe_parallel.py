@@ -5,7 +5,7 @@ both layouts route the same batches the same way. Pipeline stages split MoE laye
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +26,6 @@ BATCH = {
     "max_num_seqs": 8,
     "max_model_len": 96,
 }
-
-
-@pytest.fixture
-def engines() -> Iterator[list[LLM]]:
-    started: list[LLM] = []
-    yield started
-    for llm in started:
-        llm.close()
 
 
 def _tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:

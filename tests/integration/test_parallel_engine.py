@@ -8,7 +8,7 @@ exactly as ``brook-engine serve`` does in a pod.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,15 +47,6 @@ def _run(llm: LLM, prompts: list[list[int]], logprobs: bool = False) -> list[Any
         temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2 if logprobs else None
     )
     return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
-@pytest.fixture
-def engines() -> Iterator[list[LLM]]:
-    """Engines a test starts; their worker processes are stopped after it, pass or fail."""
-    started: list[LLM] = []
-    yield started
-    for llm in started:
-        llm.close()
 
 
 LAYOUTS = [

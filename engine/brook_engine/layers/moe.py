@@ -304,8 +304,9 @@ class SparseMoE(nn.Module):
         comm: TensorComm | None,
         make_mlp: Callable[[int, TensorComm | None], nn.Module],
     ) -> None:
-        """``make_mlp(width, comm)``: an MLP of this rank's ``width`` (``models.llama``'s,
-        float or W8A16), its output all-reduced over ``comm`` when given."""
+        """``comm``: the tensor ranks' all-reduce (None on one rank); ``make_mlp(width,
+        comm)``: an MLP of this rank's ``width`` (``models.llama``'s, float or W8A16), its
+        output all-reduced over ``comm`` when given."""
         super().__init__()
         self.routing, self.layer = routing, layer
         self.gate = Linear(hidden_size, routing.num_experts, bias=False, dtype=dtype)
@@ -317,7 +318,7 @@ class SparseMoE(nn.Module):
         if shared_expert_size:
             self.shared_expert = make_mlp(shared_expert_size // shard.tp_size, comm)
             self.shared_expert_gate = Linear(hidden_size, 1, bias=False, dtype=dtype)
-        self.comm = comm if shard.tp_size > 1 else None
+        self.comm = comm
         self.load: ExpertLoad | None = None  # set by the model: where the router's counts go
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:

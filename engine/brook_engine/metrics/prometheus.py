@@ -4,7 +4,7 @@ injected registry (several engines can live in one process, as in tests), fed fr
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -234,18 +234,21 @@ class EngineMetrics:
         self.bubble.set(stats.pipeline_bubble)
         self.micro_batches.set(stats.micro_batches)
         before_stats = self._last
-        for kind, seconds in stats.comm_seconds_total.items():
-            previous_kind = before_stats.comm_seconds_total.get(kind, 0.0) if before_stats else 0.0
-            if seconds > previous_kind:
-                self.comm_seconds.labels(kind=kind).inc(seconds - previous_kind)
+        _advance(
+            self.comm_seconds,
+            "kind",
+            stats.comm_seconds_total,
+            before_stats.comm_seconds_total if before_stats else {},
+        )
         previous_exposed = before_stats.comm_exposed_seconds_total if before_stats else 0.0
         if stats.comm_exposed_seconds_total > previous_exposed:
             self.comm_exposed.inc(stats.comm_exposed_seconds_total - previous_exposed)
-        for stage, seconds in enumerate(stats.stage_compute_seconds_total):
-            old = before_stats.stage_compute_seconds_total if before_stats else ()
-            previous_stage = old[stage] if stage < len(old) else 0.0
-            if seconds > previous_stage:
-                self.stage_compute.labels(stage=str(stage)).inc(seconds - previous_stage)
+        _advance(
+            self.stage_compute,
+            "stage",
+            _by_index(stats.stage_compute_seconds_total),
+            _by_index(before_stats.stage_compute_seconds_total if before_stats else ()),
+        )
         for kind, value in stats.memory_bytes.items():
             self.memory.labels(kind=kind).set(value)
         for where, value in stats.offload_weight_bytes.items():
@@ -259,11 +262,12 @@ class EngineMetrics:
             self.moe_cv.set(stats.moe_load_cv)
             self.moe_utilization.set(stats.moe_expert_utilization)
             self.moe_rank_utilization.set(stats.moe_rank_utilization)
-        old_tokens = last.moe_expert_tokens_total if last else ()
-        for expert, tokens in enumerate(stats.moe_expert_tokens_total):
-            before_tokens = old_tokens[expert] if expert < len(old_tokens) else 0
-            if tokens > before_tokens:
-                self.moe_expert_tokens.labels(expert=str(expert)).inc(tokens - before_tokens)
+        _advance(
+            self.moe_expert_tokens,
+            "expert",
+            _by_index(stats.moe_expert_tokens_total),
+            _by_index(last.moe_expert_tokens_total if last else ()),
+        )
         for metric, field in (
             (self.offload_transfer, "offload_transfer_seconds_total"),
             (self.offload_exposed, "offload_exposed_seconds_total"),
@@ -295,3 +299,19 @@ class EngineMetrics:
                 self.ttft.observe(request.time_to_first_token)
             if request.time_per_output_token is not None:
                 self.tpot.observe(request.time_per_output_token)
+
+
+def _advance(
+    counter: Counter, label: str, now: Mapping[str, float], before: Mapping[str, float]
+) -> None:
+    """A labelled counter brought up to running totals ``now`` from ``before`` (per label
+    value; a total that did not grow adds nothing)."""
+    for value, total in now.items():
+        previous = before.get(value, 0)
+        if total > previous:
+            counter.labels(**{label: value}).inc(total - previous)
+
+
+def _by_index(totals: Sequence[float]) -> dict[str, float]:
+    """Per-position running totals (stages, experts) keyed by their index, as labels are."""
+    return {str(i): total for i, total in enumerate(totals)}

@@ -12,21 +12,23 @@ from pathlib import Path
 from typing import Any
 
 from brook_engine.config import ConfigError, ModelConfig, ModelFacts, split_model_uri
-from brook_engine.offload.plan import ExpertShape, ModelShape
+from brook_engine.offload.plan import (
+    QK_NORM_ARCHITECTURES,
+    ExpertShape,
+    ModelShape,
+    has_qkv_bias,
+)
 
-#: Architectures the engine runs, and whether their q/k/v projections carry a bias (else
-#: ``attention_bias`` says).
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": False,
-    "MistralForCausalLM": False,
-    "Qwen2ForCausalLM": True,
-    "Qwen3ForCausalLM": False,
-    "MixtralForCausalLM": False,
-    "Qwen2MoeForCausalLM": True,
-    "Qwen3MoeForCausalLM": False,
-}
-#: Architectures whose attention norms each head's queries and keys (RMSNorm over head_dim)
-QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+#: Architectures the engine runs
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
 
 #: Rotary variants: plain, position interpolation, Llama 3.1's and YaRN.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -154,9 +156,7 @@ class ModelArch:
                 rope_theta=rope_theta,
                 max_position_embeddings=int(data.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
-                qkv_bias=bool(data.get("qkv_bias", True))
-                if arch == "Qwen2MoeForCausalLM"
-                else SUPPORTED_ARCHITECTURES[arch] or bool(data.get("attention_bias", False)),
+                qkv_bias=has_qkv_bias(data, arch),
                 o_bias=bool(data.get("attention_bias", False)),
                 mlp_bias=bool(data.get("mlp_bias", False)),
                 sliding_window=int(window) if window else None,

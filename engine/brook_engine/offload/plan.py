@@ -35,10 +35,18 @@ ALIGN = 64
 INT8_TILE = 16
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_QKV_BIAS = {"Qwen2ForCausalLM"}
-_QK_NORM = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}
+#: Architectures whose attention norms each head's queries and keys (RMSNorm over head_dim)
+QK_NORM_ARCHITECTURES = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})
 #: Qwen MoE families: transformers' defaults for (num_experts_per_tok, the shared expert's width)
 _QWEN_MOE_DEFAULTS = {"Qwen2MoeForCausalLM": (4, 5632), "Qwen3MoeForCausalLM": (8, 0)}
+
+
+def has_qkv_bias(data: Mapping[str, Any], architecture: str) -> bool:
+    """Whether the q/k/v projections carry a bias: always for Qwen2, as ``qkv_bias`` says
+    (default on) for Qwen2-MoE, else as ``attention_bias`` says."""
+    if architecture == "Qwen2MoeForCausalLM":
+        return bool(data.get("qkv_bias", True))
+    return architecture == "Qwen2ForCausalLM" or bool(data.get("attention_bias", False))
 
 
 @dataclass(frozen=True)
@@ -147,13 +155,11 @@ class ModelShape:
                 head_dim=int(data.get("head_dim") or hidden // heads),
                 vocab_size=int(data["vocab_size"]),
                 tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
-                qkv_bias=bool(data.get("qkv_bias", True))
-                if archs[0] == "Qwen2MoeForCausalLM"
-                else archs[0] in _QKV_BIAS or bool(data.get("attention_bias", False)),
+                qkv_bias=has_qkv_bias(data, str(archs[0])),
                 o_bias=bool(data.get("attention_bias", False)),
                 mlp_bias=bool(data.get("mlp_bias", False)),
                 max_position_embeddings=int(data.get("max_position_embeddings", 2048)),
-                qk_norm=archs[0] in _QK_NORM,
+                qk_norm=archs[0] in QK_NORM_ARCHITECTURES,
                 experts=ExpertShape.from_config(data, str(archs[0])),
             )
         except KeyError as exc:

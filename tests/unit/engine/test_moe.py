@@ -18,6 +18,7 @@ from brook_engine import LLM, SamplingParams
 from brook_engine.config import ConfigError, parse_engine_config
 from brook_engine.layers.moe import ExpertLoad, Routing, SparseMoE, capacity, route
 from brook_engine.models.llama import MLP
+from support.checkpoints import copy_with
 from support.greedy_reference import random_prompts
 
 EXACT_KV = {
@@ -378,20 +379,6 @@ def test_bad_moe_checkpoints_name_the_tensor(
     make_tiny_model: Callable[..., Path],
     tmp_path: Path,
 ) -> None:
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    source = make_tiny_model("mixtral")
-    for path in source.iterdir():
-        if path.is_file() and path.suffix != ".safetensors":
-            shutil.copy(path, tmp_path / path.name)
-    state = load_file(source / "model.safetensors")
-    for name, tensor in tensors.items():
-        if tensor is None:
-            state.pop(name)
-        else:
-            state[name] = tensor
-    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    copy_with(make_tiny_model("mixtral"), tmp_path, tensors)
     with pytest.raises(ConfigError, match=message):
         _llm(tmp_path)

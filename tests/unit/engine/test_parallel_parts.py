@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import random
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from brook_engine.models.loader import load_weights
 from brook_engine.parallel.overlap import KINDS, RECENT_STEPS, Adaptation, Counters, OverlapMonitor
 from brook_engine.parallel.plan import SeqChunk, split_micro_batches
 from brook_engine.parallel.topology import Topology, split_layers, stage_bounds
+from support.checkpoints import copy_with
 
 # -- Topology ------------------------------------------------------------------------------
 
@@ -617,24 +617,6 @@ def test_vocab_padding_rows_are_zero(make_tiny_model: Any) -> None:
         assert torch.count_nonzero(last[key][160:]) == 0
 
 
-def _copy_with(folder: Path, dest: Path, tensors: dict[str, torch.Tensor | None]) -> Path:
-    """A copy of ``folder`` whose checkpoint has ``tensors`` replaced (None: dropped)."""
-    from safetensors.torch import load_file, save_file
-
-    for path in folder.iterdir():
-        if path.is_file() and path.suffix != ".safetensors":
-            shutil.copy(path, dest / path.name)
-    (source,) = folder.glob("*.safetensors")
-    state = load_file(source)
-    for name, tensor in tensors.items():
-        if tensor is None:
-            state.pop(name)
-        else:
-            state[name] = tensor
-    save_file(state, dest / "model.safetensors", metadata={"format": "pt"})
-    return dest
-
-
 @pytest.mark.parametrize("tp_size", [1, 2])
 @pytest.mark.parametrize(
     ("name", "shape"),
@@ -648,14 +630,14 @@ def _copy_with(folder: Path, dest: Path, tensors: dict[str, torch.Tensor | None]
 def test_wrong_shape_is_an_error_naming_the_tensor(
     llama: Path, tmp_path: Path, name: str, shape: tuple[int, ...], tp_size: int
 ) -> None:
-    folder = _copy_with(llama, tmp_path, {name: torch.zeros(shape)})
+    folder = copy_with(llama, tmp_path, {name: torch.zeros(shape)})
     with pytest.raises(ConfigError, match=rf"tensor '{name}' has shape"):
         _load(folder, Shard(tp_size - 1, tp_size))
 
 
 @pytest.mark.parametrize("name", ["model.layers.2.input_layernorm.weight", "model.norm.weight"])
 def test_short_replicated_tensor_is_a_shape_error(llama: Path, tmp_path: Path, name: str) -> None:
-    folder = _copy_with(llama, tmp_path, {name: torch.zeros(63)})
+    folder = copy_with(llama, tmp_path, {name: torch.zeros(63)})
     with pytest.raises(ConfigError, match=rf"tensor '{name}' has shape \(63,\)"):
         _load(folder, Shard())
 
@@ -663,12 +645,12 @@ def test_short_replicated_tensor_is_a_shape_error(llama: Path, tmp_path: Path, n
 def test_missing_and_unexpected_tensors_are_named(llama: Path, tmp_path: Path) -> None:
     missing = tmp_path / "missing"
     missing.mkdir()
-    _copy_with(llama, missing, {"model.layers.3.mlp.up_proj.weight": None})
+    copy_with(llama, missing, {"model.layers.3.mlp.up_proj.weight": None})
     with pytest.raises(ConfigError, match=r"lacks model\.layers\.3\.mlp\.gate_up_proj\.weight"):
         _load(missing, Shard())
     extra = tmp_path / "extra"
     extra.mkdir()
-    _copy_with(llama, extra, {"model.layers.9.mlp.up_proj.weight": torch.zeros(96, 64)})
+    copy_with(llama, extra, {"model.layers.9.mlp.up_proj.weight": torch.zeros(96, 64)})
     with pytest.raises(ConfigError, match=r"unexpected tensor 'model\.layers\.9\.mlp"):
         _load(extra, Shard())
 
