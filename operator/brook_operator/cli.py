@@ -136,7 +136,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    return run_local(config, args.replicas)
+    return run_local(config, args.replicas, name=llmi.metadata.name)
 
 
 def _cmd_deploy(args: argparse.Namespace) -> int:
@@ -387,6 +387,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     deploy.add_argument("--kubeconfig", help="kubeconfig (default: KUBECONFIG or ~/.kube/config)")
     deploy.set_defaults(func=_cmd_deploy)
+
+    from brook_operator.monitor import command as monitor_command
+
+    monitor_command.add_parser(sub)
 
     operator = sub.add_parser(
         "operator", help="run the controller that turns LLMInference resources into pods"

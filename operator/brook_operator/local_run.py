@@ -6,17 +6,20 @@ machine, the address the server listens on (loopback by default, where a pod lis
 interfaces), the API key's source (a file or environment variable here, a Secret there) and,
 when asked, the device (an NPU manifest tried on a laptop's CPU). ``brook-engine serve`` then
 runs it as the pod's entry point would: every tensor × pipeline rank a local process, the
-OpenAI API on the port, a graceful drain on SIGTERM or Ctrl-C.
+OpenAI API on the port, a graceful drain on SIGTERM or Ctrl-C. While it runs, a small file in
+``local_server_dir()`` names it and its URL, for ``brook monitor --local``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import FrameType
 
@@ -79,7 +82,73 @@ def local_engine_config(llmi: LLMInference, options: LocalOptions) -> EngineConf
     return EngineConfig.model_validate(local.model_dump(by_alias=False))
 
 
-def run_local(config: EngineConfig, replicas: int | None, stream_log: bool = True) -> int:
+@dataclass(frozen=True)
+class LocalServer:
+    """A server ``brook up`` runs: what ``brook monitor --local`` needs to find it."""
+
+    name: str
+    url: str
+    pid: int
+    model: str
+    started: float
+
+
+def local_server_dir() -> Path:
+    """Where running servers are listed: ``BROOK_LOCAL_DIR``, else the user's runtime
+    folder (``XDG_RUNTIME_DIR``), else ``~/.cache``; a ``brook/up`` folder in it."""
+    if override := os.environ.get("BROOK_LOCAL_DIR"):
+        return Path(override)
+    base = os.environ.get("XDG_RUNTIME_DIR") or str(Path.home() / ".cache")
+    return Path(base) / "brook" / "up"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def local_servers() -> list[LocalServer]:
+    """The servers ``brook up`` runs now, oldest first (files of dead ones are removed)."""
+    folder = local_server_dir()
+    servers = []
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            server = LocalServer(**json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError, TypeError):
+            continue  # half-written or foreign: not ours to judge
+        if _alive(server.pid):
+            servers.append(server)
+        else:
+            path.unlink(missing_ok=True)
+    return sorted(servers, key=lambda s: s.started)
+
+
+def _listed(config: EngineConfig, name: str, pid: int) -> Path:
+    server = config.server
+    host = "127.0.0.1" if server.host in ("0.0.0.0", "::", "") else server.host
+    host = f"[{host}]" if ":" in host else host
+    entry = LocalServer(
+        name=name,
+        url=f"http://{host}:{server.port}",
+        pid=pid,
+        model=config.model.served_name or config.model.uri,
+        started=time.time(),
+    )
+    folder = local_server_dir()
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = folder / f"{pid}.json"
+    path.write_text(json.dumps(asdict(entry)), encoding="utf-8")
+    return path
+
+
+def run_local(
+    config: EngineConfig, replicas: int | None, name: str = "local", stream_log: bool = True
+) -> int:
     """Run ``config`` with ``brook-engine serve`` until it exits; SIGINT and SIGTERM reach it
     as SIGTERM (a graceful drain). Returns its exit status."""
     if replicas is not None and replicas != 1:
@@ -93,6 +162,7 @@ def run_local(config: EngineConfig, replicas: int | None, stream_log: bool = Tru
         path.write_text(dump_engine_config(config), encoding="utf-8")
         command = [sys.executable, "-m", "brook_engine.cli", "serve", "--config", str(path)]
         child = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        listed = _listed(config, name, child.pid)
 
         def forward(signum: int, frame: FrameType | None) -> None:
             del signum, frame
@@ -103,5 +173,6 @@ def run_local(config: EngineConfig, replicas: int | None, stream_log: bool = Tru
         try:
             return child.wait()
         finally:
+            listed.unlink(missing_ok=True)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

@@ -79,7 +79,11 @@ def test_cli_refusals_name_the_flag(
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
 def test_brook_up_serves_the_example_and_drains_on_a_signal(
-    stop: signal.Signals, make_tiny_model: Callable[..., Path], tmp_path: Path
+    stop: signal.Signals,
+    make_tiny_model: Callable[..., Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     folder = make_tiny_model("llama")
     example = ROOT / "crds" / "examples" / "tiny-cpu.yaml"
@@ -87,6 +91,7 @@ def test_brook_up_serves_the_example_and_drains_on_a_signal(
     log_path = tmp_path / "up.log"
     command = [sys.executable, "-m", "brook_operator.cli", "up", "-f", str(example)]
     command += ["--model", str(folder), "--port", str(port)]
+    monkeypatch.setenv("BROOK_LOCAL_DIR", str(tmp_path / "running"))  # for `monitor --local`
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     with log_path.open("wb") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -105,8 +110,17 @@ def test_brook_up_serves_the_example_and_drains_on_a_signal(
         offline = LLM(str(folder), dtype="float32", device="cpu", progress=False, kv_cache=kv)
         [expected] = offline.generate([prompt], SamplingParams(max_tokens=6, temperature=0))
         assert reply.choices[0].text == expected.outputs[0].text
+        # `brook monitor --local` finds the server and reads its figures
+        assert main(["monitor", "--local", "--interval", "0.2"]) == 0
+        header, row = capsys.readouterr().out.splitlines()
+        assert header.split()[:2] == ["NAME", "READY"]
+        assert row.split()[:3] == ["tiny-cpu", "1/1", "0%"], row
+        assert row.split()[6] != "-"  # TTFT P50/P99 of the request served
         proc.send_signal(stop)
         assert proc.wait(timeout=60) == 0, handle.log()[-3000:]
+        # once stopped, it is no longer listed
+        assert main(["monitor", "--local"]) == 1
+        assert "no `brook up` server is running" in capsys.readouterr().err
         log_text = handle.log()
         assert f"http://127.0.0.1:{port}/v1" in log_text  # the endpoint, said at start
         assert "drain" in log_text.lower()

@@ -22,6 +22,7 @@ PIPELINE_MICRO_BATCHES: Final = "brook_engine_pipeline_micro_batches"
 DEVICE_MEMORY_BYTES: Final = "brook_engine_device_memory_bytes"  # label: kind
 KV_CACHE_BYTES_PER_TOKEN: Final = "brook_engine_kv_cache_bytes_per_token"
 KV_CACHE_LAYERS: Final = "brook_engine_kv_cache_layers"  # label: dtype
+KV_CACHE_LAYER_DTYPE: Final = "brook_engine_kv_cache_layer_dtype"  # labels: layer, dtype; value 1
 KV_CACHE_USED_BYTES: Final = "brook_engine_kv_cache_used_bytes"  # label: dtype
 KV_CALIBRATION_ERROR: Final = "brook_engine_kv_calibration_error"  # label: layer
 KV_CACHE_CACHED_BLOCKS: Final = "brook_engine_kv_cache_cached_blocks"  # unreferenced, kept

@@ -86,6 +86,12 @@ class EngineMetrics:
             "KV-cache bytes one token takes over all layers (keys, values, scales).",
         )
         self.kv_layers = gauge(names.KV_CACHE_LAYERS, "Layers storing KV in each dtype.", ["dtype"])
+        self.kv_layer_dtype = gauge(
+            names.KV_CACHE_LAYER_DTYPE,
+            "Storage dtype of each layer's KV cache (after calibration); the value is 1.",
+            ["layer", "dtype"],
+        )
+        self._kv_layer_dtypes: tuple[str, ...] = ()  # as last exported
         self.kv_used_bytes = gauge(
             names.KV_CACHE_USED_BYTES,
             "KV-cache bytes held by live requests, by storage dtype.",
@@ -223,8 +229,8 @@ class EngineMetrics:
         self.kv_blocks.set(stats.num_kv_blocks)
         self.cached_blocks.set(stats.num_cached_blocks)
         self.kv_bytes_per_token.set(stats.kv_bytes_per_token)
-        for dtype in set(stats.kv_layer_dtypes):
-            self.kv_layers.labels(dtype=dtype).set(stats.kv_layer_dtypes.count(dtype))
+        if stats.kv_layer_dtypes != self._kv_layer_dtypes:
+            self._record_kv_layer_dtypes(stats.kv_layer_dtypes)
         for dtype, value in stats.kv_used_bytes.items():
             self.kv_used_bytes.labels(dtype=dtype).set(value)
         for layer, error in enumerate(stats.kv_calibration_errors):
@@ -299,6 +305,24 @@ class EngineMetrics:
                 self.ttft.observe(request.time_to_first_token)
             if request.time_per_output_token is not None:
                 self.tpot.observe(request.time_per_output_token)
+
+    def _record_kv_layer_dtypes(self, dtypes: tuple[str, ...]) -> None:
+        """The per-layer dtype series and the per-dtype counts, brought to ``dtypes`` from
+        the tuple last exported: a layer whose dtype changed (a calibration fallback) or
+        that is gone loses its old series, and a dtype no layer stores any more its count.
+        Layers are indexed as the stats give them. Runs only when the tuple changed."""
+        before = self._kv_layer_dtypes
+        for layer, dtype in enumerate(before):
+            if layer >= len(dtypes) or dtypes[layer] != dtype:
+                self.kv_layer_dtype.remove(str(layer), dtype)
+        for layer, dtype in enumerate(dtypes):
+            if layer >= len(before) or before[layer] != dtype:
+                self.kv_layer_dtype.labels(layer=str(layer), dtype=dtype).set(1)
+        for dtype in set(before) - set(dtypes):
+            self.kv_layers.remove(dtype)
+        for dtype in set(dtypes):
+            self.kv_layers.labels(dtype=dtype).set(dtypes.count(dtype))
+        self._kv_layer_dtypes = dtypes
 
 
 def _advance(

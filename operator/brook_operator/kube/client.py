@@ -55,6 +55,8 @@ DEFAULT_ATTEMPTS = 3
 #: First backoff between tries (doubling, with jitter), and the longest wait between two.
 BACKOFF_SECONDS = 0.5
 MAX_BACKOFF_SECONDS = 10.0
+#: Largest text answer read (``pod_proxy_get``): a pod's /metrics is far smaller.
+MAX_TEXT_BYTES = 8 * 1024 * 1024
 
 #: Plural and scope of every kind the operator touches.
 _KINDS: dict[str, tuple[str, bool]] = {
@@ -156,12 +158,14 @@ class KubeClient:
         query: dict[str, str] | None = None,
         body: Any = None,
         content_type: str = "application/json",
+        as_text: bool = False,
     ) -> Any:
-        """One API call, within ``timeout_seconds`` per try, retried while it may pass."""
+        """One API call, within ``timeout_seconds`` per try, retried while it may pass.
+        ``as_text``: the answer as text (``Accept: text/plain``), not parsed JSON."""
         attempt = 1
         while True:
             try:
-                return self._request_once(method, path, query, body, content_type)
+                return self._request_once(method, path, query, body, content_type, as_text=as_text)
             except KubeError as exc:
                 retry = exc.retriable and (method != "POST" or exc.status == 429)
                 if not retry or attempt >= self.attempts:
@@ -181,9 +185,17 @@ class KubeClient:
         return delay
 
     def _request_once(
-        self, method: str, path: str, query: dict[str, str] | None, body: Any, content_type: str
+        self,
+        method: str,
+        path: str,
+        query: dict[str, str] | None,
+        body: Any,
+        content_type: str,
+        *,
+        as_text: bool = False,
     ) -> Any:
-        headers = {"Accept": "application/json", "Content-Type": content_type}
+        accept = "text/plain, */*" if as_text else "application/json"
+        headers = {"Accept": accept, "Content-Type": content_type}
         # JSON bodies go as objects (the client encodes them); an apply patch as JSON text,
         # which is YAML and is sent as it is.
         data = json.dumps(body) if "yaml" in content_type and body is not None else body
@@ -205,12 +217,17 @@ class KubeClient:
                 post_params=post,
                 _request_timeout=self.timeout_seconds,
             )
-            raw = response.read()  # type: ignore[no-untyped-call]
+            if as_text:  # read no more than the limit, whatever the pod sends
+                raw, complete = _read_at_most(response.response, MAX_TEXT_BYTES)
+            else:
+                raw = response.read()  # type: ignore[no-untyped-call]
         except k8s.ApiException as exc:  # transport-level failures the client raises
             raise KubeError(exc.status or 0, str(exc.reason), str(exc.body)) from None
         except (urllib3.exceptions.HTTPError, OSError) as exc:  # refused, reset, timed out
             raise KubeError(0, "Transport", str(exc)) from None
         status = int(response.status)
+        if as_text:
+            return _text(status, raw, complete, response.headers.get("Retry-After"))
         try:
             payload = json.loads(raw) if raw else None
         except ValueError:  # a proxy's HTML error page, say
@@ -337,6 +354,18 @@ class KubeClient:
         )
         return result
 
+    def pod_proxy_get(self, namespace: str, pod: str, port: int, path: str) -> str:
+        """GET ``path`` (``/metrics``) from ``port`` of a pod through the API server's pod
+        proxy, as ``kubectl get --raw`` does: the pod's answer as text (at most
+        ``MAX_TEXT_BYTES``). Its error answers (and the API server's: 404 no such pod, 503
+        unreachable) raise ``KubeError``; retried as any GET."""
+        url = (
+            f"/api/v1/namespaces/{quote(namespace)}/pods/{quote(pod)}:{port}"
+            f"/proxy/{path.lstrip('/')}"
+        )
+        text: str = self.request("GET", url, as_text=True)
+        return text
+
     def has_api(self, api_version: str, kind: str) -> bool:
         """Whether the API server serves ``kind`` (its CRD is installed)."""
         plural, _ = _KINDS[kind]
@@ -364,6 +393,36 @@ def _error(status: int, raw: bytes, payload: Any, retry_after: str | None) -> Ku
         retry_after=_seconds(retry_after) or _seconds(details.get("retryAfterSeconds")),
         causes=[c for c in details.get("causes") or [] if isinstance(c, dict)],
     )
+
+
+def _read_at_most(response: urllib3.BaseHTTPResponse, limit: int) -> tuple[bytes, bool]:
+    """The body's first ``limit`` bytes, and whether that was all of it (if not, the
+    connection is closed rather than drained)."""
+    chunks: list[bytes] = []
+    size = 0
+    for chunk in response.stream(64 * 1024):
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            response.close()
+            return b"".join(chunks)[:limit], False
+    return b"".join(chunks), True
+
+
+def _text(status: int, raw: bytes, complete: bool, retry_after: str | None) -> str:
+    """A text answer, or the ``KubeError`` of an error answer (the API server's Status, or
+    the pod's own text)."""
+    if status >= 400:
+        try:
+            payload = json.loads(raw) if raw and complete else None
+        except ValueError:
+            payload = None
+        raise _error(status, raw, payload, retry_after)
+    if not complete:
+        raise KubeError(
+            status, "TooLarge", f"the answer is larger than {MAX_TEXT_BYTES // 2**20} MiB"
+        )
+    return raw.decode("utf-8", errors="replace")
 
 
 def _seconds(value: Any) -> float | None:

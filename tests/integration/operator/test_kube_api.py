@@ -20,7 +20,7 @@ import yaml
 from kubernetes.client import AppsV1Api, CoreV1Api, CustomObjectsApi
 from kubernetes.client.rest import ApiException
 
-from support.kube_api import KubeApi, leaderworkerset_crd, requests_matching
+from support.kube_api import KubeApi, PodServer, leaderworkerset_crd, requests_matching
 
 REPO = Path(__file__).resolve().parents[3]
 CRD = REPO / "crds" / "llminference.yaml"
@@ -440,6 +440,90 @@ def test_injected_faults_and_dropped_watches(kube_api: KubeApi) -> None:
         kube_api.wait_for(lambda: kube_api.handler.cluster.store.watchers, message="a watch")
         kube_api.drop_watches("configmaps")
         assert stream.read() == b""  # the server ended the stream
+
+
+def test_pod_proxy_forwards_to_the_pod_ip(kube_api: KubeApi) -> None:
+    """``pods/{name[:port]}/proxy/{path}`` goes on to ``status.podIP`` (a test's server on
+    127.0.0.1 here: the real server refuses loopback IPs) with the method, query, body and
+    Content-Type, and answers with the pod's status, body and Content-Type. Not covered:
+    https to the pod, services/proxy and nodes/proxy (not emulated)."""
+    pod_spec = {"containers": [{"name": "engine", "ports": [{"containerPort": 0}]}]}
+    with PodServer() as pod:
+        pod_spec["containers"][0]["ports"][0]["containerPort"] = pod.port
+        kube_api.create(
+            {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "engine-0"}, "spec": pod_spec},
+            "default",
+        )
+        kube_api.set_status("pods", "engine-0", {"podIP": "127.0.0.1"}, "default")
+        pod.answer("/metrics", "brook_up 1\n")
+        pod.answer("/admin/", "ok", content_type="application/json")
+        pod.answer("/broken", "boom\n", status=500, content_type="text/plain")
+        base = "/api/v1/namespaces/default/pods"
+
+        raw = kube_api.kubectl("get", "--raw", f"{base}/engine-0:{pod.port}/proxy/metrics?a=1&b=2")
+        assert raw.stdout == "brook_up 1\n"
+        assert (pod.requests[-1].path, pod.requests[-1].query) == ("/metrics", "a=1&b=2")
+        # SCHEME:NAME:PORT, and NAME alone (the first container port).
+        for name in (f"http:engine-0:{pod.port}", "engine-0"):
+            assert kube_api.kubectl("get", "--raw", f"{base}/{name}/proxy/metrics").stdout == (
+                "brook_up 1\n"
+            )
+        with urllib.request.urlopen(
+            f"{kube_api.url}{base}/engine-0/proxy/admin/?x=a%20b", timeout=10
+        ) as answer:
+            assert (answer.status, answer.headers["Content-Type"]) == (200, "application/json")
+            assert answer.read() == b"ok"
+        # The query goes on as it came (kubectl itself re-encodes ``%20`` as ``+``).
+        assert (pod.requests[-1].path, pod.requests[-1].query) == ("/admin/", "x=a%20b")
+        # The query is the pod's: ``watch=true`` makes no watch of pods (RBAC ``get``).
+        urllib.request.urlopen(f"{kube_api.url}{base}/engine-0/proxy/metrics?watch=true").close()
+        assert kube_api.requests[-1].rbac == (("get", "", "pods/proxy", "default"),)
+
+        post = urllib.request.Request(
+            f"{kube_api.url}{base}/engine-0/proxy/admin/",
+            data=b"not json",
+            headers={"Content-Type": "text/plain"},
+            method="POST",
+        )
+        urllib.request.urlopen(post, timeout=10).close()
+        sent = pod.requests[-1]
+        assert (sent.method, sent.body, sent.headers["Content-Type"]) == (
+            "POST",
+            b"not json",
+            "text/plain",
+        )
+
+        with pytest.raises(urllib.error.HTTPError) as broken:  # the pod's error, as it is
+            urllib.request.urlopen(f"{kube_api.url}{base}/engine-0/proxy/broken", timeout=10)
+        assert (broken.value.code, broken.value.headers["Content-Type"]) == (500, "text/plain")
+        assert broken.value.read() == b"boom\n"
+
+        for name, code, words in [
+            ("https:engine-0:1", 400, "over http only"),
+            ("a:b:c:d", 400, 'invalid pod request "a:b:c:d"'),
+            ("engine-0:http", 400, "invalid pod request"),
+            ("gone:1", 404, 'pods "gone" not found'),
+        ]:
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(f"{kube_api.url}{base}/{name}/proxy/", timeout=10)
+            status = json.loads(refused.value.read())
+            assert (refused.value.code, status["code"]) == (code, code)
+            assert words in status["message"]
+        free_port = pod.port
+    unreachable = kube_api.kubectl(
+        "get", "--raw", f"{base}/engine-0:{free_port}/proxy/metrics", check=False
+    )
+    assert unreachable.returncode != 0
+    assert "error trying to reach service: dial tcp" in unreachable.stderr
+    assert "ServiceUnavailable" in unreachable.stderr
+
+    proxied = requests_matching(kube_api.requests, resource="pods/proxy")
+    assert {r.rbac for r in proxied} == {
+        (("get", "", "pods/proxy", "default"),),
+        (("create", "", "pods/proxy", "default"),),
+    }
+    assert [r.verb for r in proxied].count("create") == 1
+    assert requests_matching(kube_api.requests, resource="pods/proxy/metrics") == []
 
 
 def test_strategic_merge_patch_merges_lists_by_key(kube_api: KubeApi, k8s: Any) -> None:

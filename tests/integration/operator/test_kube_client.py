@@ -9,7 +9,10 @@ from typing import Any
 import pytest
 
 from brook_operator.kube import KubeClient, KubeError
-from support.kube_api import KubeApi, requests_matching
+from brook_operator.kube.client import MAX_TEXT_BYTES
+from support.kube_api import KubeApi, PodServer, requests_matching
+
+METRICS = "# TYPE brook_requests_total counter\nbrook_requests_total 7\n"
 
 
 def _client(api: KubeApi, timeout: float = 30.0) -> tuple[KubeClient, list[float]]:
@@ -114,3 +117,78 @@ def test_an_apply_conflict_names_the_fields_and_their_managers(kube_api: KubeApi
     assert caught.value.status == 409
     assert caught.value.conflicts == [("someone-else", ".data.k")]
     assert kube_api.get("configmaps", "shared", "default")["data"] == {"k": "theirs"}  # type: ignore[index]
+
+
+def _pod(api: KubeApi, name: str, ip: str | None = "127.0.0.1") -> None:
+    api.create({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}}, "default")
+    if ip is not None:
+        api.set_status("pods", name, {"phase": "Running", "podIP": ip}, "default")
+
+
+def test_pod_proxy_get_reads_a_pods_text(kube_api: KubeApi) -> None:
+    """Through the API server's pod proxy, as ``kubectl get --raw`` reads /metrics."""
+    _pod(kube_api, "engine-0")
+    with PodServer() as pod:
+        pod.answer("/metrics", METRICS)
+        client = KubeClient.from_environment()
+        assert client.pod_proxy_get("default", "engine-0", pod.port, "/metrics") == METRICS
+        assert client.pod_proxy_get("default", "engine-0", pod.port, "metrics") == METRICS
+        (sent, _) = pod.requests
+    assert (sent.method, sent.path, sent.headers["Accept"]) == (
+        "GET",
+        "/metrics",
+        "text/plain, */*",
+    )
+    (proxied, _) = requests_matching(kube_api.requests, resource="pods/proxy")
+    assert proxied.path == f"/api/v1/namespaces/default/pods/engine-0:{pod.port}/proxy/metrics"
+    assert proxied.rbac == (("get", "", "pods/proxy", "default"),)
+
+
+def test_pod_proxy_get_errors(kube_api: KubeApi) -> None:
+    """The pod's own error answers and the API server's (no such pod, no IP yet, nothing
+    listening) are ``KubeError``s; only the retriable ones are tried again."""
+    client, waits = _client(kube_api)
+    _pod(kube_api, "engine-0")
+    _pod(kube_api, "pending", ip=None)
+    with PodServer() as pod:
+        pod.answer("/metrics", "engine not ready\n", status=500, content_type="text/plain")
+        with pytest.raises(KubeError) as failed:
+            client.pod_proxy_get("default", "engine-0", pod.port, "/metrics")
+        assert (failed.value.status, failed.value.message) == (500, "engine not ready\n")
+        assert len(pod.requests) == client.attempts  # a 5xx is retried, the pod's too
+        free_port = pod.port
+    waits.clear()
+    with pytest.raises(KubeError) as unreachable:  # the server is closed: nothing listens
+        client.pod_proxy_get("default", "engine-0", free_port, "/metrics")
+    assert (unreachable.value.status, unreachable.value.reason) == (503, "ServiceUnavailable")
+    assert unreachable.value.message.startswith("error trying to reach service: dial tcp")
+    assert "connection refused" in unreachable.value.message
+    assert len(waits) == client.attempts - 1
+    waits.clear()
+    with pytest.raises(KubeError) as missing:
+        client.pod_proxy_get("default", "gone", free_port, "/metrics")
+    assert (missing.value.status, missing.value.reason) == (404, "NotFound")
+    assert missing.value.message == 'pods "gone" not found'
+    # The real server refuses a pod without an IP (not yet scheduled or started) with a
+    # 400 "address not allowed", which is not retried.
+    with pytest.raises(KubeError) as no_ip:
+        client.pod_proxy_get("default", "pending", free_port, "/metrics")
+    assert (no_ip.value.status, no_ip.value.reason) == (400, "BadRequest")
+    assert no_ip.value.message.startswith("address not allowed")
+    assert "has no IP (status.podIP)" in no_ip.value.message
+    assert waits == []
+
+
+def test_pod_proxy_get_refuses_an_answer_over_the_limit(kube_api: KubeApi) -> None:
+    _pod(kube_api, "engine-0")
+    with PodServer() as pod:
+        pod.answer("/metrics", b"#" * (MAX_TEXT_BYTES + 1))
+        pod.answer("/small", b"#" * MAX_TEXT_BYTES)
+        client, _ = _client(kube_api)
+        with pytest.raises(KubeError) as caught:
+            client.pod_proxy_get("default", "engine-0", pod.port, "/metrics")
+        assert caught.value.reason == "TooLarge" and "8 MiB" in caught.value.message
+        assert not caught.value.retriable
+        assert (
+            len(client.pod_proxy_get("default", "engine-0", pod.port, "/small")) == MAX_TEXT_BYTES
+        )

@@ -11,7 +11,8 @@ kubelet, no scheduler, no service endpoints, no HPA, no admission webhooks, no
 authentication or authorization (every request is allowed; the RBAC attributes each would
 need are recorded instead). Tests play the controllers' part with :meth:`KubeApi.set_status`.
 The only "controllers" built in are those the API semantics need: the garbage collector
-(synchronous), namespace termination, and CRD registration.
+(synchronous), namespace termination, and CRD registration. The pods ``proxy`` subresource
+forwards to ``status.podIP``, which tests set (e.g. 127.0.0.1, where their server listens).
 
 Fixtures (``tests/integration/operator/conftest.py``)
 -----------------------------------------------------
@@ -64,6 +65,10 @@ Fixtures (``tests/integration/operator/conftest.py``)
   only; ``<< errors.conflict(...)`` or any :class:`.errors.ApiError` answers its Status).
   The emulated state is not changed by requests a reaction answered. ``clear_reactions()``
   removes them all.
+* :class:`PodServer` (:mod:`.pod_server`): a pod's container port on 127.0.0.1 for the pod
+  proxy to reach (``pod.port``, ``pod.answer(path, text, status=, content_type=)``,
+  ``pod.requests``); create the Pod, then ``set_status("pods", name, {"podIP":
+  "127.0.0.1"}, namespace)``.
 * :mod:`.crds`: stand-in CRDs (``leaderworkerset_crd()``, ``volcano_podgroup_crd()``,
   ``minimal_crd(...)``) to install with ``create()`` or leave out.
 
@@ -102,6 +107,11 @@ What is emulated
 * Deletion: finalizers and ``deletionTimestamp`` (202 while held, no new finalizers),
   preconditions, garbage collection by ownerReferences (Background, Foreground, Orphan),
   namespace termination deleting the namespace's objects.
+* Pod proxy (:mod:`.proxy`): ``/api/v1/namespaces/{ns}/pods/{name[:port]}/proxy/{path}``
+  (``kubectl get --raw``) forwards method, query, body, Content-Type and Accept to
+  ``http://{status.podIP}:{port}/{path}`` and answers with the pod's status, body and
+  Content-Type; 400 "address not allowed" without a pod IP, 503 "error trying to reach
+  service: ..." when nothing answers (10 s); RBAC ``get``/``create`` on ``pods/proxy``.
 
 What is not (or only approximately)
 -----------------------------------
@@ -116,17 +126,21 @@ objects at once, finalizers or not; no aggregated discovery, no protobuf (except
 ``kubectl create namespace|configmap|secret|serviceaccount`` sends, see :mod:`.protobuf`;
 other typed ``kubectl create <kind>`` commands get a 415) and no CBOR, no
 ``/openapi/v2``, no ``kubectl explain`` for built-ins, no exec/logs/port-forward, no
+services/nodes proxy, no https to pods and loopback pod IPs allowed (for tests), no
 admission, no resource quotas, no leader election semantics beyond plain Lease objects.
 """
 
 from .crds import leaderworkerset_crd, minimal_crd, volcano_podgroup_crd
 from .kubeconfig import write as write_kubeconfig
+from .pod_server import PROMETHEUS_TEXT, PodServer
 from .records import RbacAttributes, RecordedRequest
 from .server import KubeApi, KubeApiServer, requests_matching
 
 __all__ = [
+    "PROMETHEUS_TEXT",
     "KubeApi",
     "KubeApiServer",
+    "PodServer",
     "RbacAttributes",
     "RecordedRequest",
     "leaderworkerset_crd",

@@ -110,6 +110,10 @@ def bad_request(message: str) -> ApiError:
     return ApiError(400, "BadRequest", message)
 
 
+def service_unavailable(message: str) -> ApiError:
+    return ApiError(503, "ServiceUnavailable", message)
+
+
 def forbidden(group: str, plural: str, name: str, message: str) -> ApiError:
     return ApiError(
         403,

@@ -26,7 +26,7 @@ import attrs
 import kmock
 import yaml
 
-from . import discovery, errors, protobuf, routing, tables
+from . import discovery, errors, protobuf, proxy, routing, tables
 from .apply import manager_from_user_agent
 from .cluster import Cluster
 from .faults import Fault
@@ -145,7 +145,8 @@ class KubeApiHandler(kmock.RawHandler):
                 record.status = answer.status
                 return answer
         try:
-            body = _parse_body(raw_body, content_type)
+            # A proxy request's body is the pod's business, in whatever format.
+            body = None if target.subresource == "proxy" else _parse_body(raw_body, content_type)
             record.body = body
             request = self._kmock_request(raw_request, raw_body, body, target, query)
             self._requests.append(request)
@@ -298,6 +299,8 @@ class KubeApiHandler(kmock.RawHandler):
         spec = cluster.spec(str(target.group), str(target.version), str(target.plural))
         if target.namespace is not None and not spec.namespaced:
             raise errors.no_route()
+        if target.subresource == "proxy":
+            return await self._proxy(raw, spec, target)
         namespace, name, sub = target.namespace, target.name, target.subresource
         method = raw.method
         writer = Writer(
@@ -391,6 +394,20 @@ class KubeApiHandler(kmock.RawHandler):
                 )
             raise errors.method_not_allowed(method)
         raise errors.no_route()
+
+    async def _proxy(
+        self, raw: aiohttp.web.BaseRequest, spec: ResourceSpec, target: routing.Target
+    ) -> aiohttp.web.StreamResponse:
+        """The pod's own answer (:mod:`.proxy`); services/proxy and nodes/proxy are not
+        emulated."""
+        if spec.group_resource != ("", "pods") or target.name is None:
+            raise errors.no_route()
+        name, port = proxy.split_name(target.name)
+        pod = self.cluster.get(spec, target.namespace, name)
+        # Path and query go on as the client encoded them (``%20`` stays ``%20``).
+        raw_path = routing.parse(raw.rel_url.raw_path).proxy_path or "/"
+        url = proxy.pod_url(pod, port, raw_path, raw.rel_url.raw_query_string)
+        return await proxy.forward(raw, url)
 
     # -- list & watch ------------------------------------------------------------------------
 

@@ -22,7 +22,8 @@ class RbacAttributes(NamedTuple):
 def k8s_verb(method: str, target: Target, query: dict[str, str]) -> str | None:
     if not target.is_resource:
         return None
-    watching = query.get("watch") in ("true", "1")
+    # A proxy request's query is the pod's: ``?watch=1`` there is no watch of pods.
+    watching = query.get("watch") in ("true", "1") and target.subresource != "proxy"
     named = target.name is not None
     if method == "GET":
         return "watch" if watching else ("get" if named else "list")

@@ -18,13 +18,15 @@ class Target:
     namespace: str | None = None
     name: str | None = None
     subresource: str | None = None
+    #: The path on the pod (service, node) of a ``proxy`` subresource: ``/metrics``.
+    proxy_path: str | None = None
 
     @property
     def is_resource(self) -> bool:
         return self.kind == "resource"
 
 
-def _resource(group: str, version: str, parts: list[str]) -> Target:
+def _resource(group: str, version: str, parts: list[str], trailing_slash: bool) -> Target:
     namespace: str | None = None
     rest = parts
     if parts[0] == "namespaces":
@@ -34,6 +36,13 @@ def _resource(group: str, version: str, parts: list[str]) -> Target:
             namespace, rest = parts[1], parts[2:]
     plural = rest[0]
     name = rest[1] if len(rest) > 1 else None
+    if rest[2:3] == ["proxy"]:
+        # What follows ``proxy`` is the path on the pod, not part of the subresource: RBAC
+        # checks ``pods/proxy`` whatever the path.
+        proxy_path = "/" + "/".join(rest[3:])
+        if trailing_slash and rest[3:]:
+            proxy_path += "/"
+        return Target("resource", group, version, plural, namespace, name, "proxy", proxy_path)
     subresource = "/".join(rest[2:]) or None
     return Target("resource", group, version, plural, namespace, name, subresource)
 
@@ -64,7 +73,7 @@ def parse(path: str) -> Target:
             return Target("api")
         if len(parts) == 2:
             return Target("group-version", "", parts[1])
-        return _resource("", parts[1], parts[2:])
+        return _resource("", parts[1], parts[2:], path.endswith("/"))
     if head == "apis":
         if len(parts) == 1:
             return Target("apis")
@@ -72,5 +81,5 @@ def parse(path: str) -> Target:
             return Target("group", parts[1])
         if len(parts) == 3:
             return Target("group-version", parts[1], parts[2])
-        return _resource(parts[1], parts[2], parts[3:])
+        return _resource(parts[1], parts[2], parts[3:], path.endswith("/"))
     return Target("unknown")

@@ -104,6 +104,17 @@ def test_the_outcome_is_logged_and_exported(tiny: Path, caplog: pytest.LogCaptur
         for dtype in ("bf16", "fp16")
     }
     assert layers == {"bf16": 3.0, "fp16": 1.0}
+    per_layer = {
+        (layer, dtype): registry.get_sample_value(
+            "brook_engine_kv_cache_layer_dtype", {"layer": str(layer), "dtype": dtype}
+        )
+        for layer in range(4)
+        for dtype in ("bf16", "fp16", "fp8_e5m2", "fp8_e4m3")
+    }
+    assert {key for key, value in per_layer.items() if value is not None} == {
+        (0, "bf16"), (1, "bf16"), (2, "bf16"), (3, "fp16")
+    }  # fmt: skip
+    assert set(per_layer.values()) == {None, 1.0}
     assert registry.get_sample_value("brook_engine_kv_calibration_error", {"layer": "0"}) > 0
     assert (
         registry.get_sample_value("brook_engine_kv_cache_bytes_per_token")

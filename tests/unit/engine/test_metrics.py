@@ -105,3 +105,35 @@ def test_compile_and_cold_start_metrics() -> None:
     assert value(names.COMPILE_SECONDS_TOTAL) == 4.0
     assert value(names.COLD_START_SECONDS, until="ready") == 7.5
     assert value(names.COLD_START_SECONDS, until="first_token") == 8.0
+
+
+def test_each_layer_exports_its_kv_dtype_and_a_fallback_replaces_the_old_series() -> None:
+    registry = CollectorRegistry()
+    metrics = EngineMetrics(registry, {"model": "m", "dtype": "bfloat16"})
+
+    def series() -> dict[tuple[str, str], float]:
+        return {
+            (s.labels["layer"], s.labels["dtype"]): s.value
+            for family in registry.collect()
+            if family.name == names.KV_CACHE_LAYER_DTYPE
+            for s in family.samples
+        }
+
+    def count(dtype: str) -> float | None:
+        return registry.get_sample_value(names.KV_CACHE_LAYERS, {"dtype": dtype})
+
+    metrics.record(stats(kv_layer_dtypes=("fp8_e4m3", "fp8_e4m3", "bf16")))
+    expected = {("0", "fp8_e4m3"): 1.0, ("1", "fp8_e4m3"): 1.0, ("2", "bf16"): 1.0}
+    assert series() == expected
+    metrics.record(stats(kv_layer_dtypes=("fp8_e4m3", "fp8_e4m3", "bf16")))  # unchanged
+    assert series() == expected
+
+    # Calibration moved layer 1 to the model dtype: its FP8 series is gone, not left at 1.
+    metrics.record(stats(kv_layer_dtypes=("fp8_e4m3", "bf16", "bf16")))
+    assert series() == {("0", "fp8_e4m3"): 1.0, ("1", "bf16"): 1.0, ("2", "bf16"): 1.0}
+    assert (count("fp8_e4m3"), count("bf16")) == (1.0, 2.0)
+
+    # Layer 0 as well: no layer stores FP8, so its count goes too.
+    metrics.record(stats(kv_layer_dtypes=("bf16", "bf16", "bf16")))
+    assert series() == {(str(layer), "bf16"): 1.0 for layer in range(3)}
+    assert (count("fp8_e4m3"), count("bf16")) == (None, 3.0)

@@ -1,0 +1,219 @@
+"""Where ``brook monitor`` reads its frames:
+
+- ``ClusterSource``: the ``LLMInference`` from the API server and each replica's leader pod's
+  ``/metrics`` through the API server's pod proxy (what ``kubectl get --raw`` reads; RBAC:
+  ``get`` on ``llminferences``, ``list`` on ``pods``, ``get`` on ``pods/proxy``).
+- ``PrometheusSource``: the same resource and pods, their metrics from a Prometheus server
+  that scrapes them (its instant query API; series labelled with ``pod``, as the Prometheus
+  Operator's pod and service monitors label them).
+- ``LocalSource``: the servers ``brook up`` runs on this machine (their registry files),
+  read directly.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from brook_operator.api import API_VERSION
+from brook_operator.kube import KubeClient, KubeError
+from brook_operator.local_run import LocalServer, local_servers
+from brook_operator.monitor.figures import Frame
+from brook_operator.monitor.readings import Reading, ReadingError
+from brook_operator.render.labels import INSTANCE_LABEL, ROLE_LABEL
+from brook_operator.render.pod import HTTP_PORT
+
+#: Longest one read of a server's metrics or of Prometheus may take.
+READ_TIMEOUT_SECONDS = 5.0
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+class MonitorError(Exception):
+    """Nothing to watch (no such resource, no server), or a source that cannot answer."""
+
+
+class Source(Protocol):
+    """Frames of one resource (or one local server)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def namespace(self) -> str | None: ...
+
+    def read(self) -> Frame: ...
+
+
+def _http_get(url: str, accept: str = "text/plain") -> str:
+    request = urllib.request.Request(url, headers={"Accept": accept})
+    try:
+        with _OPENER.open(request, timeout=READ_TIMEOUT_SECONDS) as response:
+            body: bytes = response.read()
+            return body.decode("utf-8", errors="replace")
+    except urllib.error.HTTPError as exc:
+        raise MonitorError(f"{url}: HTTP {exc.code} {exc.reason}") from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise MonitorError(f"{url}: {exc}") from None
+
+
+def _read_all(
+    targets: Sequence[str], read: Callable[[str], Reading]
+) -> tuple[dict[str, Reading], dict[str, str]]:
+    """Every target at once (a slow pod must not hold the others)."""
+    readings: dict[str, Reading] = {}
+    errors: dict[str, str] = {}
+
+    def one(target: str) -> Reading | str:
+        try:
+            return read(target)
+        except (KubeError, MonitorError, ReadingError) as exc:
+            return str(exc)
+
+    if targets:
+        with ThreadPoolExecutor(max_workers=min(16, len(targets))) as pool:
+            for target, result in zip(targets, pool.map(one, targets), strict=True):
+                if isinstance(result, Reading):
+                    readings[target] = result
+                else:
+                    errors[target] = result
+    return readings, errors
+
+
+def _http_port(pod: Mapping[str, Any]) -> int | None:
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for port in container.get("ports") or []:
+            if port.get("name") == HTTP_PORT and port.get("containerPort"):
+                return int(port["containerPort"])
+    return None
+
+
+def _serving_pods(kube: KubeClient, namespace: str, name: str) -> list[dict[str, Any]]:
+    """The leader pod of every replica (the pod that serves the API and /metrics), not
+    terminating."""
+    selector = f"{INSTANCE_LABEL}={name},{ROLE_LABEL}=leader"
+    pods = kube.list("v1", "Pod", namespace, selector)
+    return [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
+
+
+def list_resources(kube: KubeClient, namespace: str | None) -> list[dict[str, Any]]:
+    """The ``LLMInference`` objects of ``namespace`` (None: every namespace)."""
+    try:
+        return kube.list(API_VERSION, "LLMInference", namespace, "")
+    except KubeError as exc:
+        raise MonitorError(f"listing LLMInference resources: {exc}") from None
+
+
+@dataclass
+class ClusterSource:
+    kube: KubeClient
+    namespace: str
+    name: str
+    clock: Callable[[], float] = time.time
+
+    def resource(self) -> dict[str, Any]:
+        obj = self.kube.get(API_VERSION, "LLMInference", self.namespace, self.name)
+        if obj is None:
+            raise MonitorError(f"LLMInference {self.namespace}/{self.name} not found")
+        return obj
+
+    def read(self) -> Frame:
+        obj = self.resource()
+        pods = {
+            str(p["metadata"]["name"]): p
+            for p in _serving_pods(self.kube, self.namespace, self.name)
+        }
+
+        def read_pod(pod: str) -> Reading:
+            port = _http_port(pods[pod])
+            if port is None:
+                raise MonitorError(f"pod {pod} has no container port named {HTTP_PORT!r}")
+            return Reading.parse(self.kube.pod_proxy_get(self.namespace, pod, port, "/metrics"))
+
+        readings, errors = _read_all(sorted(pods), read_pod)
+        return Frame(self.clock(), obj, readings, errors)
+
+
+@dataclass
+class PrometheusSource:
+    kube: KubeClient
+    namespace: str
+    name: str
+    url: str
+    """Prometheus's base URL (``http://prometheus:9090``)."""
+    clock: Callable[[], float] = time.time
+
+    def query(self, promql: str) -> list[dict[str, Any]]:
+        query = urllib.parse.urlencode({"query": promql})
+        body = _http_get(f"{self.url.rstrip('/')}/api/v1/query?{query}", "application/json")
+        try:
+            answer = json.loads(body)
+        except ValueError:
+            raise MonitorError(f"{self.url}: not a Prometheus API answer: {body[:120]!r}") from None
+        if answer.get("status") != "success":
+            raise MonitorError(f"{self.url}: {answer.get('errorType')}: {answer.get('error')}")
+        result: list[dict[str, Any]] = (answer.get("data") or {}).get("result") or []
+        return result
+
+    def read(self) -> Frame:
+        obj = ClusterSource(self.kube, self.namespace, self.name).resource()
+        pods = sorted(
+            str(p["metadata"]["name"]) for p in _serving_pods(self.kube, self.namespace, self.name)
+        )
+        readings: dict[str, Reading] = {}
+        errors: dict[str, str] = {}
+        if pods:
+            alternatives = "|".join(_regex_escape(p) for p in pods)
+            promql = (
+                f'{{__name__=~"brook_engine_.+",namespace="{self.namespace}",'
+                f'pod=~"{alternatives}"}}'
+            )
+            by_pod: dict[str, list[tuple[dict[str, str], float]]] = {}
+            for series in self.query(promql):
+                labels = dict(series.get("metric") or {})
+                value = float((series.get("value") or [0, "nan"])[1])
+                by_pod.setdefault(labels.get("pod", ""), []).append((labels, value))
+            for pod in pods:
+                if pod in by_pod:
+                    readings[pod] = Reading.from_series(by_pod[pod])
+                else:
+                    errors[pod] = "Prometheus has no brook_engine_* series of this pod"
+        return Frame(self.clock(), obj, readings, errors)
+
+
+def _regex_escape(text: str) -> str:
+    # pod names are DNS labels ([a-z0-9-.]): only the dot is special in RE2
+    return text.replace(".", "\\\\.")
+
+
+@dataclass
+class LocalSource:
+    server: LocalServer
+    clock: Callable[[], float] = time.time
+    name: str = field(init=False)
+    namespace: str | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.name = self.server.name
+
+    def read(self) -> Frame:
+        def read_server(url: str) -> Reading:
+            return Reading.parse(_http_get(f"{url}/metrics"))
+
+        readings, errors = _read_all([self.server.url], read_server)
+        return Frame(self.clock(), None, readings, errors)
+
+
+def local_sources(names: Sequence[str] = ()) -> list[LocalSource]:
+    """A source for each server ``brook up`` runs here (those named, when names are given)."""
+    servers = [s for s in local_servers() if not names or s.name in names]
+    if not servers:
+        which = f" named {', '.join(names)}" if names else ""
+        raise MonitorError(f"no `brook up` server{which} is running on this machine")
+    return [LocalSource(s) for s in servers]
