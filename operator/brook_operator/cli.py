@@ -95,7 +95,7 @@ def _cmd_render(args: argparse.Namespace) -> int:
 def _cmd_up(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from brook_operator.local_run import LocalOptions, local_engine_config, run_local
+    from brook_operator.local_run import LocalOptions, fetch_model, local_engine_config, run_local
 
     manifests = load_manifests(args.filename)  # ManifestError: main reports it
     valid, count = _validated(manifests)
@@ -121,7 +121,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         api_key_file=args.api_key_file,
         api_key_env=args.api_key_env,
     )
-    config = local_engine_config(llmi, options)
+    config = local_engine_config(llmi, fetch_model(llmi, options))
     if llmi.spec.replicas and llmi.spec.replicas > 1 and args.replicas is None:
         print(
             f"note: spec.replicas is {llmi.spec.replicas}; `brook up` runs one replica here",
@@ -350,7 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--name", help="the LLMInference to run when the files hold several")
     up.add_argument(
         "--model",
-        help="the model's folder on this machine (needed where spec.model.uri is not file://)",
+        help="the model's folder on this machine (needed where spec.model.uri is neither "
+        "file:// nor hf://, which is downloaded into the Hugging Face cache)",
     )
     up.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
     up.add_argument("--port", type=int, help="port (default: spec.server.port, 8000)")

@@ -12,7 +12,7 @@ says it will not recover on its own, or the operator refused the spec), 4 timed 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,11 +101,20 @@ def _conditions(obj: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {c.get("type", ""): c for c in (obj.get("status") or {}).get("conditions") or []}
 
 
+def replica_counts(obj: Mapping[str, Any]) -> tuple[int, int]:
+    """Ready and desired replicas as the status says; before the operator has written it,
+    none ready of what the spec asks (``replicas``, or the autoscaler's minimum)."""
+    status = obj.get("status") or {}
+    spec = obj.get("spec") or {}
+    wanted = spec.get("replicas") or (spec.get("autoscaling") or {}).get("minReplicas") or 1
+    desired = status.get("desiredReplicas")
+    return int(status.get("readyReplicas") or 0), int(wanted if desired is None else desired)
+
+
 def progress_line(obj: dict[str, Any], pods: list[dict[str, Any]]) -> str:
     """One line of where the rollout is: replicas, the Ready condition, the pods' reasons."""
-    status = obj.get("status") or {}
-    desired = status.get("desiredReplicas", (obj.get("spec") or {}).get("replicas", 1))
-    parts = [f"{status.get('readyReplicas', 0)}/{desired} replicas ready"]
+    count, desired = replica_counts(obj)
+    parts = [f"{count}/{desired} replicas ready"]
     ready = _conditions(obj).get("Ready")
     if ready is not None and ready.get("status") != "True":
         parts.append(f"{ready.get('reason')}: {ready.get('message')}")

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import FrameType
 
@@ -46,6 +46,43 @@ class LocalOptions:
     api_key_env: str | None = None
 
 
+#: What the engine reads of a Hugging Face model repository (not its other formats' copies).
+HUB_FILES = ("*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja")
+
+
+def fetch_model(llmi: LLMInference, options: LocalOptions) -> LocalOptions:
+    """``options`` with the model's folder: an ``hf://`` model without ``--model`` is
+    downloaded into the Hugging Face cache first (as the pod's init container downloads it;
+    with progress bars; a second run finds it there). ``HF_TOKEN`` or ``hf auth login`` gives
+    the token a pod reads from ``spec.model.credentialsSecretRef``; ``HF_ENDPOINT`` a mirror."""
+    if options.model is not None:
+        return options
+    scheme, repo = split_model_uri(llmi.spec.model.uri)
+    if scheme != "hf":
+        return options
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise ConfigError(
+            "spec.model.uri is an hf:// model: downloading it needs the engine's packages "
+            "(pip install 'brook[engine]'), or give --model FOLDER"
+        ) from None
+    print(f"downloading {llmi.spec.model.uri} into the Hugging Face cache", file=sys.stderr)
+    try:
+        folder = snapshot_download(
+            repo, revision=llmi.spec.model.revision, allow_patterns=list(HUB_FILES)
+        )
+    except Exception as exc:  # the hub client's errors have no common base but Exception
+        hint = " (set HF_TOKEN for a gated or private model)" if "401" in str(exc) else ""
+        raise ConfigError(
+            f"spec.model.uri {llmi.spec.model.uri!r}: the download failed: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}{hint}; "
+            "or download it yourself and give --model FOLDER"
+        ) from None
+    return replace(options, model=Path(folder))
+
+
 def local_engine_config(llmi: LLMInference, options: LocalOptions) -> EngineConfig:
     """The pod's ``EngineConfig`` of ``llmi`` for this machine (see the module docstring);
     a ``ConfigError`` naming the field and the flag that fixes it."""
@@ -61,7 +98,7 @@ def local_engine_config(llmi: LLMInference, options: LocalOptions) -> EngineConf
         if scheme != "file":
             raise ConfigError(
                 f"spec.model.uri is {model.uri!r}: `brook up` runs a model from a folder on "
-                "this machine; download it and give --model FOLDER"
+                "this machine (or downloads an hf:// one); download it and give --model FOLDER"
             )
     server = config.server.model_copy(update={"host": options.host})
     if options.port is not None:
@@ -102,28 +139,55 @@ def local_server_dir() -> Path:
     return Path(base) / "brook" / "up"
 
 
-def _alive(pid: int) -> bool:
+def _alive(pid: int) -> bool | None:
+    """True: running; False: gone; None: another user's process (not a server of ours)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        return None
     return True
 
 
+def _private(path: Path) -> bool:
+    """Ours, and writable by no one else: another user cannot list a server of theirs."""
+    info = path.stat()
+    return info.st_uid == os.getuid() and not info.st_mode & 0o022
+
+
+def _entry(path: Path) -> LocalServer | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        server = LocalServer(**data)
+    except (OSError, ValueError, TypeError):
+        return None  # half-written or foreign: not ours to judge
+    typed = (
+        isinstance(server.name, str)
+        and isinstance(server.url, str)
+        and isinstance(server.pid, int)
+        and isinstance(server.model, str)
+        and isinstance(server.started, int | float)
+    )
+    if not typed or not server.url.startswith("http://"):
+        return None
+    return server
+
+
 def local_servers() -> list[LocalServer]:
-    """The servers ``brook up`` runs now, oldest first (files of dead ones are removed)."""
+    """The servers ``brook up`` runs now, oldest first (files of ended ones are removed).
+    Only files this user owns, in a folder no one else may write, are read."""
     folder = local_server_dir()
+    if not folder.is_dir() or not _private(folder):
+        return []
     servers = []
-    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
-        try:
-            server = LocalServer(**json.loads(path.read_text(encoding="utf-8")))
-        except (OSError, ValueError, TypeError):
-            continue  # half-written or foreign: not ours to judge
-        if _alive(server.pid):
+    for path in sorted(folder.glob("*.json")):
+        if not _private(path) or (server := _entry(path)) is None:
+            continue
+        alive = _alive(server.pid)
+        if alive:
             servers.append(server)
-        else:
+        elif alive is False:
             path.unlink(missing_ok=True)
     return sorted(servers, key=lambda s: s.started)
 
@@ -142,7 +206,9 @@ def _listed(config: EngineConfig, name: str, pid: int) -> Path:
     folder = local_server_dir()
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     path = folder / f"{pid}.json"
-    path.write_text(json.dumps(asdict(entry)), encoding="utf-8")
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+        file.write(json.dumps(asdict(entry)))
     return path
 
 
@@ -162,7 +228,14 @@ def run_local(
         path.write_text(dump_engine_config(config), encoding="utf-8")
         command = [sys.executable, "-m", "brook_engine.cli", "serve", "--config", str(path)]
         child = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        listed = _listed(config, name, child.pid)
+        listed: Path | None = None
+        try:
+            listed = _listed(config, name, child.pid)
+        except OSError as exc:  # serving matters more than being listed
+            print(
+                f"warning: `brook monitor --local` will not find this server: {exc}",
+                file=sys.stderr,
+            )
 
         def forward(signum: int, frame: FrameType | None) -> None:
             del signum, frame
@@ -173,6 +246,7 @@ def run_local(
         try:
             return child.wait()
         finally:
-            listed.unlink(missing_ok=True)
+            if listed is not None:
+                listed.unlink(missing_ok=True)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

@@ -17,6 +17,7 @@ from pathlib import Path
 import openai
 import pytest
 import yaml
+from tests.support import hub
 from tests.support.engine_server import ServerProcess
 from tests.support.examples import ROOT
 from tests.support.ports import free_port
@@ -128,6 +129,57 @@ def test_brook_up_serves_the_example_and_drains_on_a_signal(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_brook_up_downloads_an_hf_model_into_the_hub_cache(
+    make_tiny_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    """An hf:// manifest without --model: the model is downloaded from the Hub (a stand-in
+    on loopback, ``HF_ENDPOINT``) into the Hub's cache, then served; a repository the Hub
+    does not have is refused naming the field."""
+    folder = make_tiny_model("llama")
+    manifest = yaml.safe_load((ROOT / "crds" / "examples" / "tiny-cpu.yaml").read_text())
+    manifest["spec"]["model"].update(uri="hf://brook-test/tiny-llama", revision="main")
+    path = tmp_path / "hf.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    cache = tmp_path / "hub-cache"
+    port = free_port()
+    with hub.serving(folder, "brook-test/tiny-llama") as stand_in:
+        env = {**os.environ, "HF_ENDPOINT": stand_in.url, "HF_HUB_CACHE": str(cache)}
+        env |= {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        command = [sys.executable, "-m", "brook_operator.cli", "up", "-f", str(path)]
+        log_path = tmp_path / "up.log"
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen(
+                [*command, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, env=env
+            )
+        handle = ServerProcess(proc, f"http://127.0.0.1:{port}", log_path, None)
+        try:
+            deadline = time.monotonic() + 180
+            while not _ready(handle):
+                assert proc.poll() is None, handle.log()[-3000:]
+                assert time.monotonic() < deadline, handle.log()[-3000:]
+                time.sleep(0.2)
+            status, reply = handle.post(
+                "/v1/completions", {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4}
+            )
+            assert status == 200 and reply["usage"]["completion_tokens"] == 4, reply
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == 0, handle.log()[-3000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        snapshot = cache / "models--brook-test--tiny-llama" / "snapshots" / hub.COMMIT
+        assert (snapshot / "config.json").is_file() and (snapshot / "model.safetensors").exists()
+        assert any("/revision/main" in p for p in stand_in.paths)
+        assert "downloading hf://brook-test/tiny-llama" in handle.log()
+        missing = path.read_text().replace("brook-test/tiny-llama", "brook-test/missing")
+        path.write_text(missing)
+        refused = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2, refused.stderr
+    assert "spec.model.uri 'hf://brook-test/missing': the download failed" in refused.stderr
+    assert "--model FOLDER" in refused.stderr
 
 
 def _ready(handle: ServerProcess) -> bool:

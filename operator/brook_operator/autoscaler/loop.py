@@ -43,7 +43,7 @@ from brook_operator.controller.events import post_event, post_transitions
 from brook_operator.controller.reconcile import Reconciler, parse
 from brook_operator.kube import AUTOSCALER_MANAGER, KubeClient, KubeError
 from brook_operator.render import ROLE_LABEL, selector_labels
-from brook_operator.render.pod import HTTP_PORT
+from brook_operator.render.pod import http_port
 
 log = logging.getLogger(__name__)
 
@@ -84,14 +84,11 @@ def _ready(pod: dict[str, Any]) -> bool:
 def metrics_url(pod: dict[str, Any]) -> str | None:
     """http://POD_IP:PORT/metrics, PORT being the engine container's port named ``http``."""
     ip = (pod.get("status") or {}).get("podIP")
-    if not ip:
+    port = http_port(pod)
+    if not ip or port is None:
         return None
-    for container in (pod.get("spec") or {}).get("containers") or []:
-        for port in container.get("ports") or []:
-            if port.get("name") == HTTP_PORT and port.get("containerPort"):
-                host = f"[{ip}]" if ":" in ip else ip
-                return f"http://{host}:{int(port['containerPort'])}/metrics"
-    return None
+    host = f"[{ip}]" if ":" in ip else ip
+    return f"http://{host}:{port}/metrics"
 
 
 @dataclass

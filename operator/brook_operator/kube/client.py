@@ -380,7 +380,8 @@ class KubeClient:
 
 def _error(status: int, raw: bytes, payload: Any, retry_after: str | None) -> KubeError:
     """The ``KubeError`` of an error answer (a ``Status`` object, or any text)."""
-    if not isinstance(payload, dict):
+    if not isinstance(payload, dict) or not (payload.get("reason") or payload.get("message")):
+        # not a Status: a pod's own error answer through the proxy, a proxy's page
         text = raw.decode(errors="replace")[:500] if raw else ""
         return KubeError(status, "", text, retry_after=_seconds(retry_after))
     details: dict[str, Any] = payload.get("details") or {}

@@ -7,8 +7,10 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
+from kubernetes.config import ConfigException
+
 from brook_operator.kube import KubeClient, KubeError
-from brook_operator.monitor import dashboard, table
+from brook_operator.monitor import table
 from brook_operator.monitor.figures import Figures, Frame, History
 from brook_operator.monitor.sources import (
     READ_TIMEOUT_SECONDS,
@@ -30,10 +32,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="live figures of LLMInference resources: a table, or a full-screen dashboard",
         description="Figures come from each resource's status and its engine pods' /metrics "
         "(through the API server's pod proxy, or --prometheus), or from the servers `brook up` "
-        "runs here (--local). Examples: brook monitor -n prod; brook monitor qwen-7b "
-        "--dashboard; brook monitor --local --dashboard. See docs/monitoring.md.",
+        "runs here (--local). Exit codes: 0 shown (or Ctrl-C), 1 nothing to watch, 2 usage "
+        "or API error. Examples: brook monitor -n prod; brook monitor qwen-7b --dashboard; "
+        "brook monitor --local --dashboard. See docs/monitoring.md.",
     )
-    monitor.add_argument("name", nargs="?", help="the LLMInference (default: every one)")
+    monitor.add_argument(
+        "name",
+        nargs="?",
+        help="the LLMInference (default: every one in the namespace; --dashboard needs one "
+        "unless there is only one); with --local, the manifest's name",
+    )
     scope = monitor.add_mutually_exclusive_group()
     scope.add_argument("-n", "--namespace", default="default", help="namespace (default: default)")
     scope.add_argument(
@@ -46,12 +54,17 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "-w", "--watch", action="store_true", help="print the table again every --interval"
     )
     monitor.add_argument(
-        "--interval", type=float, default=2.0, help="seconds between refreshes (default 2)"
+        "--interval",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="seconds between refreshes (default 2)",
     )
     monitor.add_argument(
         "--window",
         type=float,
         default=300.0,
+        metavar="SECONDS",
         help="seconds the latency quantiles and hit rate cover once watched that long "
         "(default 300; before that: since the engines started)",
     )
@@ -88,7 +101,9 @@ def _sources(args: argparse.Namespace) -> list[Source]:
     else:
         namespace = None if args.all_namespaces else args.namespace
         objs = list_resources(kube, namespace)
-        targets = [(o["metadata"]["namespace"], o["metadata"]["name"]) for o in objs]
+        targets = [
+            (o["metadata"].get("namespace") or args.namespace, o["metadata"]["name"]) for o in objs
+        ]
         if not targets:
             where = "any namespace" if namespace is None else f"namespace {namespace}"
             raise MonitorError(f"no LLMInference in {where}")
@@ -110,6 +125,8 @@ def _check(args: argparse.Namespace) -> str | None:
         return "--screenshot: give --frames N too (the screenshot is the last refresh)"
     if args.dashboard and (args.all_namespaces or args.watch):
         return "--dashboard shows one resource and refreshes itself: drop -A / --watch"
+    if args.name and args.all_namespaces:
+        return "NAME with -A: name its namespace with -n instead"
     return None
 
 
@@ -129,12 +146,17 @@ def main(args: argparse.Namespace) -> int:
     except KubeError as exc:
         print(f"error: the API server: {exc}", file=sys.stderr)
         return USAGE
+    except ConfigException as exc:  # no kubeconfig, no in-cluster credentials
+        print(f"error: no cluster to watch ({exc}); give --kubeconfig, or --local", file=sys.stderr)
+        return USAGE
     except KeyboardInterrupt:
         return OK
 
 
 def _dashboard(args: argparse.Namespace, sources: Sequence[Source]) -> int:
     from rich.console import Console
+
+    from brook_operator.monitor import dashboard  # Rich: loaded only for the dashboard
 
     if len(sources) != 1:
         listed = ", ".join(_label(s) for s in sources)

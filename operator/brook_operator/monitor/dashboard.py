@@ -9,9 +9,11 @@ from __future__ import annotations
 import io
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
-from rich.console import Console, Group, RenderableType
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.layout import Layout
 from rich.live import Live
 from rich.panel import Panel
@@ -19,10 +21,16 @@ from rich.table import Table
 from rich.text import Text
 
 from brook_engine.metrics import names
+from brook_operator.deploy import replica_counts
 from brook_operator.monitor import formatting as fmt
 from brook_operator.monitor.figures import Figures, Frame, History
+from brook_operator.monitor.sources import MonitorError
 
-CHART_WIDTH = 32
+LABEL_WIDTH = 11
+#: A chart's width in refreshes: what its panel leaves, within these bounds.
+MIN_CHART_WIDTH, MAX_CHART_WIDTH = 8, 60
+#: The autoscaler's decisions shown, newest first.
+DECISIONS_SHOWN = 4
 #: Panel titles, in the order they are laid out (tests look for each).
 PANELS = (
     "Throughput",
@@ -43,15 +51,29 @@ _PRECISION_CELLS = (
 )
 
 
+@dataclass(frozen=True)
+class _ChartLine:
+    """A label, the series as a sparkline as wide as the panel leaves (scaled to ``top``,
+    else to the series' largest value) and the latest value."""
+
+    label: str
+    series: Sequence[float | None]
+    now: str
+    top: float | None = None
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        room = options.max_width - LABEL_WIDTH - len(self.now) - 1
+        width = max(MIN_CHART_WIDTH, min(MAX_CHART_WIDTH, room))
+        line = Text(f"{self.label:<{LABEL_WIDTH}}", style="bold", no_wrap=True)
+        line.append(fmt.sparkline(self.series, width, top=self.top), style="green")
+        line.append(f" {self.now}")
+        yield line
+
+
 def _chart_line(
     label: str, series: Sequence[float | None], now: str, top: float | None = None
-) -> Text:
-    """A label, the series as a sparkline (scaled to ``top``, else to its largest value)
-    and the latest value."""
-    line = Text(f"{label:<11}", style="bold")
-    line.append(fmt.sparkline(series, CHART_WIDTH, top=top), style="green")
-    line.append(f" {now}")
-    return line
+) -> _ChartLine:
+    return _ChartLine(label, series, now, top)
 
 
 def _panel(title: str, body: RenderableType) -> Panel:
@@ -62,7 +84,7 @@ def _series(history: History, name: str) -> Sequence[float | None]:
     return list(history.series.get(name, ()))
 
 
-def _header(name: str, frame: Frame, figures: Figures, source: str) -> Text:
+def _header(name: str, frame: Frame, figures: Figures, source: str, problem: str | None) -> Text:
     model = figures.model
     text = Text(name, style="bold")
     if model:
@@ -74,8 +96,8 @@ def _header(name: str, frame: Frame, figures: Figures, source: str) -> Text:
     status = (frame.resource or {}).get("status") or {}
     ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), None)
     if frame.resource is not None:
-        desired = status.get("desiredReplicas", (frame.resource.get("spec") or {}).get("replicas"))
-        text.append(f"\nreplicas {status.get('readyReplicas', 0)}/{desired} ready")
+        count, desired = replica_counts(frame.resource)
+        text.append(f"\nreplicas {count}/{desired} ready")
         if ready is not None:
             style = "green" if ready.get("status") == "True" else "yellow"
             text.append(f" · Ready={ready.get('status')}", style=style)
@@ -85,7 +107,18 @@ def _header(name: str, frame: Frame, figures: Figures, source: str) -> Text:
         text.append(f"\na local server · {figures.replicas_reporting}/1 answering")
     stamp = time.strftime("%H:%M:%S", time.localtime(frame.time))
     text.append(f" · {source} · {stamp}", style="dim")
+    if problem:
+        text.append(f"\nthe last refresh failed (showing {stamp}'s): {problem}", style="red")
     return text
+
+
+def _local_time(stamp: str) -> str:
+    """An RFC 3339 time as this machine's clock time (the header's too)."""
+    try:
+        when = datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    except ValueError:
+        return stamp
+    return when.astimezone().strftime("%H:%M:%S")
 
 
 def _throughput(history: History, figures: Figures) -> RenderableType:
@@ -103,6 +136,8 @@ def _throughput(history: History, figures: Figures) -> RenderableType:
                 f"{fmt.number(figures.finished.get(r, 0.0))} {r}" for r in names.FINISH_REASONS
             ),
             style="dim",
+            no_wrap=True,
+            overflow="ellipsis",
         ),
         Text(f"{'preempted':<11}{fmt.number(figures.preemptions)}", style="dim"),
     )
@@ -120,7 +155,7 @@ def _latency(history: History, figures: Figures) -> RenderableType:
         _chart_line("TPOT P50", _series(history, "tpot_p50"), fmt.seconds(figures.tpot_p50)),
         _chart_line("TPOT P99", _series(history, "tpot_p99"), fmt.seconds(figures.tpot_p99)),
         Text(
-            f"figures {span}; chart points: the minute before",
+            f"figures {span}; a chart point: the minute before",
             style="dim",
         ),
     )
@@ -186,14 +221,14 @@ def _autoscaler(resource: Mapping[str, Any] | None) -> RenderableType:
     table = Table(box=None, show_header=True, header_style="bold", pad_edge=False, expand=True)
     table.add_column("time", no_wrap=True)
     table.add_column("replicas", no_wrap=True)
-    table.add_column("reason", ratio=1)
-    for decision in decisions[-4:][::-1]:
-        when = str(decision.get("time", ""))[11:19]
-        limited = f" [{decision['limitedBy']}]" if decision.get("limitedBy") else ""
+    table.add_column("limit", no_wrap=True)
+    table.add_column("reason", ratio=1, no_wrap=True, overflow="ellipsis")
+    for decision in decisions[-DECISIONS_SHOWN:][::-1]:
         table.add_row(
-            when,
+            _local_time(str(decision.get("time", ""))),
             f"{decision.get('fromReplicas')}→{decision.get('toReplicas')}",
-            f"{decision.get('reason', '')}{limited}",
+            str(decision.get("limitedBy") or "-"),
+            str(decision.get("reason", "")),
         )
     lines.append(table if decisions else Text("no decision yet", style="dim"))
     return Group(*lines)
@@ -253,7 +288,7 @@ def _replicas(frame: Frame) -> RenderableType:
             fmt.number(reading.value(names.NUM_REQUESTS_WAITING)),
             fmt.number(reading.value(names.NUM_REQUESTS_RUNNING)),
             fmt.number(reading.value(names.GENERATION_TOKENS_TOTAL), " tok"),
-            Text("serving", style="green"),
+            Text("metrics read", style="green"),
         )
     for pod, error in sorted(frame.errors.items()):
         table.add_row(pod, *([fmt.NONE] * 4), Text(error, style="red"))
@@ -262,29 +297,42 @@ def _replicas(frame: Frame) -> RenderableType:
     return table
 
 
-def render(name: str, frame: Frame, history: History, source: str) -> Layout:
-    """The dashboard of ``frame`` (the latest, already added to ``history``)."""
+def render(
+    name: str, frame: Frame, history: History, source: str, problem: str | None = None
+) -> Layout:
+    """The dashboard of ``frame`` (the latest, already added to ``history``); ``problem``:
+    why the refresh after it failed."""
     figures = history.latest
     assert figures is not None, "add the frame to the history first"
+    quiet: RenderableType | None = None
+    if not frame.readings:
+        quiet = Text("no replica's figures could be read: see Replicas", style="dim")
+
+    def panel(title: str, body: Callable[[], RenderableType]) -> Layout:
+        return Layout(_panel(title, quiet if quiet is not None else body()))
+
     layout = Layout()
     layout.split_column(
-        Layout(_panel("brook monitor", _header(name, frame, figures, source)), size=4),
+        Layout(
+            _panel("brook monitor", _header(name, frame, figures, source, problem)),
+            size=5 if problem else 4,
+        ),
         Layout(name="row1", size=7),
         Layout(name="row2", size=6),
-        Layout(name="row3", size=8),
+        Layout(name="row3", size=5 + DECISIONS_SHOWN),
         Layout(_panel("Replicas", _replicas(frame)), name="replicas", minimum_size=4),
     )
     layout["row1"].split_row(
-        Layout(_panel("Throughput", _throughput(history, figures))),
-        Layout(_panel("Latency", _latency(history, figures))),
+        panel("Throughput", lambda: _throughput(history, figures)),
+        panel("Latency", lambda: _latency(history, figures)),
     )
     layout["row2"].split_row(
-        Layout(_panel("KV cache", _kv_cache(history, figures))),
-        Layout(_panel("Queue and overlap", _queue(history, figures))),
+        panel("KV cache", lambda: _kv_cache(history, figures)),
+        panel("Queue and overlap", lambda: _queue(history, figures)),
     )
     layout["row3"].split_row(
         Layout(_panel("Autoscaler", _autoscaler(frame.resource))),
-        Layout(_panel("Offload and compile", _offload_compile(figures))),
+        panel("Offload and compile", lambda: _offload_compile(figures)),
     )
     return layout
 
@@ -302,13 +350,21 @@ def run(
     """Refresh every ``interval`` seconds until Ctrl-C (or ``frames`` refreshes, after which
     the last is written to ``screenshot`` as SVG when given)."""
     done = 0
-    view: Layout | None = None
+    view: RenderableType | None = None
+    frame: Frame | None = None
     with Live(console=console, screen=frames is None, auto_refresh=False) as live:
         while frames is None or done < frames:
             started = time.monotonic()
-            frame = read()
-            history.add(frame)
-            view = render(name, frame, history, source)
+            try:
+                frame = read()
+                history.add(frame)
+                problem = None
+            except MonitorError as exc:  # the next refresh retries; the last frame stays
+                problem = str(exc)
+            if frame is not None:
+                view = render(name, frame, history, source, problem)
+            else:
+                view = _panel("brook monitor", Text(f"{name}: {problem}", style="red"))
             live.update(view, refresh=True)
             done += 1
             if frames is not None and done >= frames:

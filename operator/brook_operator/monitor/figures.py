@@ -94,9 +94,35 @@ def _growth(
     return sum(grown) if grown else None
 
 
+def _rate(
+    now: Frame, earlier: Sequence[Frame], read: Callable[[Reading], float | None]
+) -> float | None:
+    """Per second, summed over the replicas: each replica's counter growth since its newest
+    earlier reading taken at an earlier time. A Prometheus source repeats a scrape until the
+    next one lands (every 15-60 s), so the time is the scrape's, not the refresh's."""
+    rates = []
+    for pod, reading in now.readings.items():
+        value = read(reading)
+        at = reading.time if reading.time is not None else now.time
+        if value is None:
+            continue
+        for frame in reversed(earlier):
+            old_reading = frame.readings.get(pod)
+            if old_reading is None:
+                continue
+            then = old_reading.time if old_reading.time is not None else frame.time
+            old = read(old_reading)
+            if then < at and old is not None:
+                rates.append((value - old if value >= old else value) / (at - then))
+                break
+    return sum(rates) if rates else None
+
+
 def _histogram_growth(
     now: Mapping[str, Reading], before: Mapping[str, Reading] | None, name: str
 ) -> Histogram | None:
+    """The histograms' growth since ``before``, merged over the replicas; a replica that
+    ``before`` lacks started within the span and counts whole."""
     merged: Histogram | None = None
     for pod, reading in now.items():
         current = reading.histogram(name)
@@ -130,18 +156,15 @@ def _layer_dtypes(reading: Reading) -> tuple[str, ...]:
 
 
 def figures(
-    now: Frame, previous: Frame | None, baseline: Frame | None, window_seconds: float | None
+    now: Frame, earlier: Sequence[Frame], baseline: Frame | None, window_seconds: float | None
 ) -> Figures:
-    """``now``'s figures: rates against ``previous``, quantiles and hit rate against
-    ``baseline`` (None: since the engines started, which their counters cover)."""
+    """``now``'s figures: rates against the ``earlier`` frames (oldest first), quantiles and
+    hit rate against ``baseline`` (None: since the engines started, which their counters
+    cover)."""
     readings = now.readings
-    dt = now.time - previous.time if previous is not None else 0.0
 
     def rate(read: Callable[[Reading], float | None]) -> float | None:
-        if previous is None or dt <= 0:
-            return None
-        grown = _growth(readings, previous.readings, read)
-        return grown / dt if grown is not None else None
+        return _rate(now, earlier, read)
 
     def windowed(read: Callable[[Reading], float | None]) -> float | None:
         if baseline is None:
@@ -237,16 +260,16 @@ class History:
         return aged[-1] if aged else older[0]
 
     def add(self, frame: Frame) -> Figures:
-        previous = self.frames[-1] if self.frames else None
+        earlier = list(self.frames)
         self.frames.append(frame)
         keep = max(self.window_seconds, self.chart_seconds)
         while len(self.frames) > 2 and frame.time - self.frames[1].time >= keep:
             self.frames.popleft()
         filled = frame.time - self.frames[0].time >= self.window_seconds
         baseline = self._baseline(frame.time, self.window_seconds) if filled else None
-        latest = figures(frame, previous, baseline, self.window_seconds)
+        latest = figures(frame, earlier, baseline, self.window_seconds)
         chart_base = self._baseline(frame.time, self.chart_seconds)
-        charted = figures(frame, previous, chart_base, self.chart_seconds)
+        charted = figures(frame, earlier, chart_base, self.chart_seconds)
         for name in self.CHARTED:
             values = self.series.setdefault(name, deque(maxlen=SERIES_LENGTH))
             values.append(getattr(charted if name in self.WINDOWED else latest, name))

@@ -29,10 +29,13 @@ class Histogram:
         return self.buckets[-1][1] if self.buckets else 0.0
 
     def minus(self, earlier: Histogram | None) -> Histogram:
-        """The observations made since ``earlier`` (all of them after a counter reset)."""
-        if earlier is None or earlier.count > self.count:
+        """The observations made since ``earlier`` (all of them after a restart: a bucket
+        that went down, as PromQL's ``increase`` judges each series)."""
+        if earlier is None:
             return self
         before = dict(earlier.buckets)
+        if any(n < before.get(le, 0.0) for le, n in self.buckets):
+            return self
         return Histogram(tuple((le, n - before.get(le, 0.0)) for le, n in self.buckets))
 
     def plus(self, other: Histogram) -> Histogram:
@@ -65,6 +68,8 @@ class Reading:
     """Every sample of one scrape, by name and labels."""
 
     samples: Mapping[tuple[str, Labels], float] = field(default_factory=dict)
+    time: float | None = None
+    """When the engine was scraped, where the source says (Prometheus); else the frame's."""
 
     @classmethod
     def parse(cls, text: str) -> Reading:
@@ -81,13 +86,16 @@ class Reading:
         return reading
 
     @classmethod
-    def from_series(cls, series: Iterable[tuple[Mapping[str, str], float]]) -> Reading:
-        """From labelled values (a Prometheus query's answer: ``__name__`` among the labels)."""
+    def from_series(
+        cls, series: Iterable[tuple[Mapping[str, str], float]], time: float | None = None
+    ) -> Reading:
+        """From labelled values (a Prometheus query's answer: ``__name__`` among the labels)
+        scraped at ``time``."""
         samples: dict[tuple[str, Labels], float] = {}
         for labels, value in series:
             rest = frozenset((k, v) for k, v in labels.items() if k != "__name__")
             samples[(labels["__name__"], rest)] = value
-        return cls(samples)
+        return cls(samples, time)
 
     def value(self, name: str, **labels: str) -> float | None:
         """The sample ``name`` whose labels include ``labels`` (the first, when several);
@@ -114,9 +122,12 @@ class Reading:
         return found
 
     def histogram(self, name: str) -> Histogram | None:
-        buckets = {
-            float(le): v for le, v in self.by_label(f"{name}_bucket", "le").items()
-        }  # prometheus_client writes +Inf, which float() reads
+        buckets = {}
+        for le, value in self.by_label(f"{name}_bucket", "le").items():
+            try:
+                buckets[float(le)] = value  # "+Inf" reads as infinity
+            except ValueError:
+                return None  # not a histogram as Prometheus writes them
         if not buckets:
             return None
         return Histogram(tuple(sorted(buckets.items())))

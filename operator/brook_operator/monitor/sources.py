@@ -17,7 +17,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -28,7 +28,7 @@ from brook_operator.local_run import LocalServer, local_servers
 from brook_operator.monitor.figures import Frame
 from brook_operator.monitor.readings import Reading, ReadingError
 from brook_operator.render.labels import INSTANCE_LABEL, ROLE_LABEL
-from brook_operator.render.pod import HTTP_PORT
+from brook_operator.render.pod import HTTP_PORT, http_port
 
 #: Longest one read of a server's metrics or of Prometheus may take.
 READ_TIMEOUT_SECONDS = 5.0
@@ -86,14 +86,6 @@ def _read_all(
     return readings, errors
 
 
-def _http_port(pod: Mapping[str, Any]) -> int | None:
-    for container in (pod.get("spec") or {}).get("containers") or []:
-        for port in container.get("ports") or []:
-            if port.get("name") == HTTP_PORT and port.get("containerPort"):
-                return int(port["containerPort"])
-    return None
-
-
 def _serving_pods(kube: KubeClient, namespace: str, name: str) -> list[dict[str, Any]]:
     """The leader pod of every replica (the pod that serves the API and /metrics), not
     terminating."""
@@ -110,6 +102,21 @@ def list_resources(kube: KubeClient, namespace: str | None) -> list[dict[str, An
         raise MonitorError(f"listing LLMInference resources: {exc}") from None
 
 
+def _read_errors(what: str) -> Callable[[Callable[[], Frame]], Callable[[], Frame]]:
+    """API errors as ``MonitorError``: a refresh that fails says why and the next retries."""
+
+    def wrap(read: Callable[[], Frame]) -> Callable[[], Frame]:
+        def wrapped() -> Frame:
+            try:
+                return read()
+            except KubeError as exc:
+                raise MonitorError(f"{what}: the API server: {exc}") from None
+
+        return wrapped
+
+    return wrap
+
+
 @dataclass
 class ClusterSource:
     kube: KubeClient
@@ -124,6 +131,9 @@ class ClusterSource:
         return obj
 
     def read(self) -> Frame:
+        return _read_errors(f"{self.namespace}/{self.name}")(self._read)()
+
+    def _read(self) -> Frame:
         obj = self.resource()
         pods = {
             str(p["metadata"]["name"]): p
@@ -131,10 +141,19 @@ class ClusterSource:
         }
 
         def read_pod(pod: str) -> Reading:
-            port = _http_port(pods[pod])
+            port = http_port(pods[pod])
             if port is None:
-                raise MonitorError(f"pod {pod} has no container port named {HTTP_PORT!r}")
-            return Reading.parse(self.kube.pod_proxy_get(self.namespace, pod, port, "/metrics"))
+                raise MonitorError(f"no container port named {HTTP_PORT!r}")
+            try:
+                text = self.kube.pod_proxy_get(self.namespace, pod, port, "/metrics")
+            except KubeError as exc:
+                if exc.status == 401:
+                    raise MonitorError(
+                        f"{exc}: the engine asks for its API key on /metrics "
+                        "(server.metricsRequireApiKey); use --prometheus"
+                    ) from None
+                raise
+            return Reading.parse(text)
 
         readings, errors = _read_all(sorted(pods), read_pod)
         return Frame(self.clock(), obj, readings, errors)
@@ -149,19 +168,27 @@ class PrometheusSource:
     """Prometheus's base URL (``http://prometheus:9090``)."""
     clock: Callable[[], float] = time.time
 
-    def query(self, promql: str) -> list[dict[str, Any]]:
+    def query(self, promql: str) -> list[tuple[dict[str, str], float, float]]:
+        """An instant query's series: labels, value, and when it was scraped."""
         query = urllib.parse.urlencode({"query": promql})
         body = _http_get(f"{self.url.rstrip('/')}/api/v1/query?{query}", "application/json")
         try:
             answer = json.loads(body)
-        except ValueError:
-            raise MonitorError(f"{self.url}: not a Prometheus API answer: {body[:120]!r}") from None
-        if answer.get("status") != "success":
-            raise MonitorError(f"{self.url}: {answer.get('errorType')}: {answer.get('error')}")
-        result: list[dict[str, Any]] = (answer.get("data") or {}).get("result") or []
-        return result
+            if answer.get("status") != "success":
+                raise MonitorError(f"Prometheus: {answer.get('errorType')}: {answer.get('error')}")
+            series = []
+            for item in answer["data"]["result"]:
+                at, value = item["value"]
+                labels = {str(k): str(v) for k, v in item["metric"].items()}
+                series.append((labels, float(value), float(at)))
+        except (ValueError, TypeError, KeyError, AttributeError):
+            raise MonitorError(f"Prometheus: not an instant-query answer: {body[:120]!r}") from None
+        return series
 
     def read(self) -> Frame:
+        return _read_errors(f"{self.namespace}/{self.name}")(self._read)()
+
+    def _read(self) -> Frame:
         obj = ClusterSource(self.kube, self.namespace, self.name).resource()
         pods = sorted(
             str(p["metadata"]["name"]) for p in _serving_pods(self.kube, self.namespace, self.name)
@@ -175,13 +202,14 @@ class PrometheusSource:
                 f'pod=~"{alternatives}"}}'
             )
             by_pod: dict[str, list[tuple[dict[str, str], float]]] = {}
-            for series in self.query(promql):
-                labels = dict(series.get("metric") or {})
-                value = float((series.get("value") or [0, "nan"])[1])
-                by_pod.setdefault(labels.get("pod", ""), []).append((labels, value))
+            scraped: dict[str, float] = {}
+            for labels, value, at in self.query(promql):
+                pod = labels.get("pod", "")
+                by_pod.setdefault(pod, []).append((labels, value))
+                scraped[pod] = max(scraped.get(pod, at), at)
             for pod in pods:
                 if pod in by_pod:
-                    readings[pod] = Reading.from_series(by_pod[pod])
+                    readings[pod] = Reading.from_series(by_pod[pod], scraped[pod])
                 else:
                     errors[pod] = "Prometheus has no brook_engine_* series of this pod"
         return Frame(self.clock(), obj, readings, errors)

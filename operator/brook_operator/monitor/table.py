@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from brook_operator.deploy import replica_counts
 from brook_operator.monitor import formatting as fmt
 from brook_operator.monitor.figures import Figures
 
@@ -27,9 +28,8 @@ def ready_cell(resource: Mapping[str, Any] | None, figures: Figures | None) -> s
     """``ready/desired`` from the status; a local server counts as one replica."""
     if resource is None:
         return f"{figures.replicas_reporting if figures else 0}/1"
-    status = resource.get("status") or {}
-    desired = status.get("desiredReplicas", (resource.get("spec") or {}).get("replicas", 1))
-    return f"{status.get('readyReplicas', 0)}/{desired}"
+    ready, desired = replica_counts(resource)
+    return f"{ready}/{desired}"
 
 
 def row(name: str, resource: Mapping[str, Any] | None, figures: Figures | None) -> list[str]:

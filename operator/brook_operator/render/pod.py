@@ -5,6 +5,7 @@ context."""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from brook_operator.api import API_KEY_PATH, LLMInference, topology
@@ -214,3 +215,13 @@ def pod_template(llmi: LLMInference, settings: OperatorSettings, role: Role) -> 
     if annotations:
         metadata["annotations"] = annotations
     return {"metadata": metadata, "spec": pod_spec}
+
+
+def http_port(pod: Mapping[str, Any]) -> int | None:
+    """The port of a running engine pod's container port named ``http`` (the API and
+    /metrics), as rendered above."""
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for port in container.get("ports") or []:
+            if port.get("name") == HTTP_PORT and port.get("containerPort"):
+                return int(port["containerPort"])
+    return None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import threading
+import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -29,7 +30,7 @@ from brook_operator.monitor.figures import History
 from brook_operator.monitor.sources import ClusterSource
 from brook_operator.render.labels import INSTANCE_LABEL, ROLE_LABEL
 from support.engine_server import ServerProcess, start_server
-from support.kube_api import KubeApi
+from support.kube_api import KubeApi, PodServer
 
 REPO = Path(__file__).resolve().parents[3]
 NAME, NAMESPACE, POD = "tiny-cpu", "default", "tiny-cpu-7d9f-abc12"
@@ -179,12 +180,16 @@ def test_dashboard_shows_every_panel_on_recorded_frames(
         assert title in screen, f"panel {title!r} missing:\n{screen}"
     assert "default/tiny-cpu" in screen and "replicas 1/1 ready" in screen
     assert "2→1" in screen and "KV-cache usage 0.12 below target" in screen  # the decision
-    assert "[AtMin]" in screen
+    assert "AtMin" in screen
     precision = next(line for line in screen.splitlines() if "precision" in line)
     assert "2 fp8_e4m3" in precision, precision  # the first half of 4 layers: FP8
-    assert POD in screen and "serving" in screen
+    assert POD in screen and "metrics read" in screen
     assert "tiny-cpu-7d9f-nopip" in screen and "no IP" in screen  # the replica's problem
     assert "tok/s" in screen and "TTFT P99" in screen
+    latency = next(line for line in screen.splitlines() if "TTFT P50" in line)
+    assert latency.rstrip("│ ").endswith("ms"), latency  # a figure, not a dash
+    offload = next(line for line in screen.splitlines() if "cold start" in line)
+    assert "ready" in offload and "s" in offload.split("ready", 1)[1]
 
 
 def test_dashboard_command_writes_a_screenshot(
@@ -208,11 +213,29 @@ def test_what_cannot_be_watched_is_said(
     assert "no LLMInference in namespace empty" in capsys.readouterr().err
     assert main(["monitor", "--screenshot", "x.svg"]) == 2
     assert "--frames" in capsys.readouterr().err
+    assert main(["monitor", "-A", NAME]) == 2
+    assert "-n" in capsys.readouterr().err
     _resource(kube_api)
     _pod(kube_api, POD, 9, ip=None)
     assert main(["monitor", "--interval", "0.1"]) == 0  # a replica without figures: dashes
     row = _table_row(capsys.readouterr().out, NAME)
     assert row[1] == "1/1" and set(row[2:]) == {"-"}
+
+
+def test_an_engine_that_wants_its_api_key_for_metrics_is_named(
+    brook_crd: dict[str, Any], kube_api: KubeApi
+) -> None:
+    """An engine with ``server.metricsRequireApiKey`` answers the proxy 401 (the pod side here
+    is a plain HTTP server answering as the engine does)."""
+    _resource(kube_api)
+    with PodServer() as pod:
+        body = '{"error": {"message": "missing API key", "type": "invalid_request_error"}}'
+        pod.answer("/metrics", body, status=401, content_type="application/json")
+        _pod(kube_api, POD, pod.port)
+        frame = ClusterSource(KubeClient.from_environment(), NAMESPACE, NAME).read()
+    assert not frame.readings
+    assert "missing API key" in frame.errors[POD]
+    assert "metricsRequireApiKey" in frame.errors[POD] and "--prometheus" in frame.errors[POD]
 
 
 class _Prometheus(BaseHTTPRequestHandler):
@@ -232,7 +255,7 @@ class _Prometheus(BaseHTTPRequestHandler):
         result = [
             {
                 "metric": {"__name__": s.name, **s.labels, "namespace": NAMESPACE, "pod": POD},
-                "value": [0, repr(s.value)],
+                "value": [time.time(), repr(s.value)],
             }
             for family in text_string_to_metric_families(text)
             for s in family.samples

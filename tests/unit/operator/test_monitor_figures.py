@@ -3,6 +3,7 @@ counter rates across replicas and restarts, the rolling window, the table and sp
 
 from __future__ import annotations
 
+import io
 import math
 
 import pytest
@@ -69,7 +70,7 @@ def test_rates_sum_replicas_and_survive_a_restart() -> None:
     first = Frame(0.0, None, {"a": _exposition([], 100), "b": _exposition([], 50)})
     # a restarted (its counter fell to 20: all 20 are new); b generated 30 more
     second = Frame(2.0, None, {"a": _exposition([], 20), "b": _exposition([], 80)})
-    result = figures(second, first, None, None)
+    result = figures(second, [first], None, None)
     assert result.generation_tokens_per_s == pytest.approx((20 + 30) / 2)
     assert result.replicas_reporting == 2
     assert result.kv_layer_dtypes == ("fp8_e4m3", "fp8_e4m3", "bfloat16")
@@ -105,3 +106,54 @@ def test_table_and_cells() -> None:
     assert idle.split()[:2] == ["idle", "0/1"] and set(idle.split()[2:]) == {"-"}
     assert formatting.seconds(0.0421) == "42ms" and formatting.seconds(2.5) == "2.50s"
     assert formatting.sparkline([0, 5, 10, None], 5) == " ▁▅█ "
+
+
+def test_a_restart_is_judged_per_bucket() -> None:
+    before = Buckets(((0.1, 10.0), (1.0, 10.0), (math.inf, 10.0)))
+    # restarted, then 12 observations all slow: the total passed the old one, the first
+    # bucket went down
+    after = Buckets(((0.1, 0.0), (1.0, 12.0), (math.inf, 12.0)))
+    assert after.minus(before) == after
+
+
+def test_prometheus_rates_use_the_scrape_times() -> None:
+    """Prometheus repeats a scrape until the next lands (30 s here) while the monitor
+    refreshes every 2 s: the rate is the growth over the scrape interval, not 0 then 15x."""
+
+    def reading(generated: float, scraped: float) -> Reading:
+        samples = [
+            ({"__name__": names.KV_CACHE_USAGE_RATIO}, 0.5),
+            ({"__name__": names.GENERATION_TOKENS_TOTAL}, generated),
+        ]
+        return Reading.from_series(samples, scraped)
+
+    history = History()
+    rates = []
+    for refresh in range(20):  # every 2 s; scrapes at 0 and 30 s: 600 tokens apart
+        now = 1000.0 + 2 * refresh
+        scraped = 1000.0 if now < 1030 else 1030.0
+        generated = 0.0 if scraped == 1000 else 600.0
+        rates.append(history.add(Frame(now, None, {"p": reading(generated, scraped)})))
+    assert {f.generation_tokens_per_s for f in rates[:15]} == {None}  # one scrape so far
+    assert [f.generation_tokens_per_s for f in rates[15:]] == [pytest.approx(20.0)] * 5
+
+
+def test_a_failed_refresh_keeps_the_last_frame_and_says_why() -> None:
+    from rich.console import Console
+
+    from brook_operator.monitor import dashboard
+    from brook_operator.monitor.sources import MonitorError
+
+    reads = iter([Frame(0.0, None, {"a": _exposition([0.05], 10)})])
+
+    def read() -> Frame:
+        try:
+            return next(reads)
+        except StopIteration:
+            raise MonitorError("default/tiny: the API server: 503 ServiceUnavailable") from None
+
+    console = Console(record=True, width=130, height=40, file=io.StringIO())
+    dashboard.run("default/tiny", read, History(), "pod proxy", 0.0, console, frames=2)
+    screen = console.export_text()
+    assert "the last refresh failed" in screen and "503 ServiceUnavailable" in screen
+    assert "Throughput" in screen  # the last good frame, still drawn
