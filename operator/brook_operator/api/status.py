@@ -25,8 +25,8 @@ class Condition(Section):
     """A condition in the Kubernetes convention."""
 
     type: str = Field(min_length=1, max_length=316)
-    """Ready, Progressing, SpecValid, ScalingActive, ScalingLimited, MetricsAvailable or
-    Degraded."""
+    """Ready, Progressing, SpecValid, Degraded, Reconciling, Stalled (kstatus), ScalingActive,
+    ScalingLimited or MetricsAvailable."""
 
     status: Literal["True", "False", "Unknown"]
     """True, False or Unknown."""
@@ -136,5 +136,6 @@ class LLMInferenceStatus(Section):
     """Autoscaler state."""
 
     conditions: list[Condition] = Field(default_factory=list, max_length=16)
-    """Ready, Progressing, SpecValid, ScalingActive, ScalingLimited, MetricsAvailable,
-    Degraded."""
+    """Ready (its reason and message name the pods' own when replicas are not ready),
+    Progressing, SpecValid, Degraded, Reconciling and Stalled (kstatus: what Argo CD, Flux and
+    ``kubectl wait`` read), ScalingActive, ScalingLimited, MetricsAvailable."""

@@ -1,6 +1,9 @@
-"""``status`` of an ``LLMInference`` from what its workload reports (pure): the conditions
-(SpecValid, Degraded, Ready, Progressing) and the replica counts, and the helpers that keep
-a condition's ``lastTransitionTime`` across rounds.
+"""``status`` of an ``LLMInference`` from what its workload and its pods report (pure): the
+conditions (SpecValid, Degraded, Ready, Progressing, and kstatus's Reconciling and Stalled,
+which Argo CD, Flux and ``kubectl wait`` read) and the replica counts, and the helpers that
+keep a condition's ``lastTransitionTime`` across rounds. A replica that is not ready says why
+in ``Ready``: its pods' reasons (a crash loop with the engine's last error line, an image
+that cannot be pulled, a pod no node can take).
 
 These are the fields of one writer (field manager ``STATUS_MANAGER``), written by
 server-side apply: a status computed here holds ALL of them and NOTHING else — the
@@ -9,6 +12,7 @@ autoscaler's fields and conditions are its own, and a field left out here would 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -16,6 +20,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from brook_operator.api import LLMInference, topology
+from brook_operator.controller.pod_reasons import PodProblem
 from brook_operator.render import ROLE_LABEL, endpoint, selector_labels
 from brook_operator.render.workload import LWS_GROUP
 
@@ -47,6 +52,9 @@ class Observed:
     """(reason, message) of what a person must resolve: ``ForeignObject`` (a child's name
     is taken by an object Brook does not own) or ``FieldConflict`` (another field manager
     owns a field Brook applies)."""
+
+    pod_problems: tuple[PodProblem, ...] = ()
+    """Why engine pods are not serving, as their status says."""
 
 
 def make_condition(
@@ -87,7 +95,9 @@ def now_rfc3339() -> str:
 
 
 #: The conditions ``compute_status`` owns.
-OWN_CONDITIONS = ("SpecValid", "Degraded", "Ready", "Progressing")
+OWN_CONDITIONS = ("SpecValid", "Degraded", "Ready", "Progressing", "Reconciling", "Stalled")
+#: Pod problems named in the Ready condition's message (the rest are counted).
+PROBLEMS_NAMED = 3
 #: The other status fields it owns (desiredReplicas only without spec.autoscaling).
 OWN_FIELDS = ("replicas", "readyReplicas", "desiredReplicas", "selector", "topology", "endpoint")
 
@@ -103,6 +113,10 @@ def invalid_status(body: dict[str, Any], message: str, now: str | None = None) -
         make_condition(previous, "SpecValid", False, "InvalidSpec", message, generation, now),
         make_condition(
             previous, "Ready", False, "InvalidSpec", "the spec cannot run", generation, now
+        ),
+        make_condition(previous, "Stalled", True, "InvalidSpec", message, generation, now),
+        make_condition(
+            previous, "Reconciling", False, "InvalidSpec", "the spec cannot run", generation, now
         ),
     ]
     keep = [previous[t] for t in ("Degraded", "Progressing") if t in previous]
@@ -156,6 +170,7 @@ def compute_status(
         conditions.append(condition("Degraded", True, "ApplyFailed", observed.error))
     else:
         conditions.append(condition("Degraded", False, "AsExpected", "children applied"))
+    fatal = [p for p in observed.pod_problems if p.fatal]
     if llmi.spec.suspend:
         conditions.append(condition("Ready", False, "Suspended", "spec.suspend is true"))
     elif desired > 0 and ready >= desired:
@@ -163,9 +178,8 @@ def compute_status(
             condition("Ready", True, "ReplicasReady", f"{ready}/{desired} replicas ready")
         )
     else:
-        conditions.append(
-            condition("Ready", False, "ReplicasNotReady", f"{ready}/{desired} replicas ready")
-        )
+        reason, message = _not_ready(observed.pod_problems, ready, desired)
+        conditions.append(condition("Ready", False, reason, message))
     rolling = observed.workload is not None and (
         not synced or updated < desired or ready < desired or replicas > desired
     )
@@ -174,6 +188,8 @@ def compute_status(
         conditions.append(condition("Progressing", True, "RollingOut", message))
     else:
         conditions.append(condition("Progressing", False, "Complete", "no rollout in progress"))
+    settled = llmi.spec.suspend or ready >= desired
+    conditions += _kstatus(conditions, fatal, settled, condition)
     selector = {**selector_labels(llmi), ROLE_LABEL: "leader"}
     status: dict[str, Any] = {
         "observedGeneration": generation,
@@ -189,3 +205,42 @@ def compute_status(
     if llmi.spec.autoscaling is None:
         status["desiredReplicas"] = desired
     return status
+
+
+def _not_ready(problems: tuple[PodProblem, ...], ready: int, desired: int) -> tuple[str, str]:
+    """Ready=False's reason and message: the pods' own reason where they give one (the
+    first that will not clear by itself, else the first), named with their messages."""
+    counted = f"{ready}/{desired} replicas ready"
+    if not problems:
+        return "ReplicasNotReady", counted
+    first = next((p for p in problems if p.fatal), problems[0])
+    named = "; ".join(str(p) for p in problems[:PROBLEMS_NAMED])
+    more = len(problems) - PROBLEMS_NAMED
+    if more > 0:
+        named += f"; and {more} more"
+    return first.reason, f"{counted}: {named}"
+
+
+def _kstatus(
+    conditions: list[dict[str, Any]],
+    fatal: list[PodProblem],
+    settled: bool,
+    condition: Callable[[str, bool, str, str], dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """kstatus's two conditions from the others: Stalled while something needs a person
+    (Degraded, or a pod that will not recover by itself), else Reconciling until Ready."""
+    by_type = {c["type"]: c for c in conditions}
+    degraded, ready = by_type["Degraded"], by_type["Ready"]
+    if degraded["status"] == "True":
+        stalled = condition("Stalled", True, str(degraded["reason"]), str(degraded["message"]))
+    elif fatal:
+        stalled = condition("Stalled", True, fatal[0].reason, str(ready["message"]))
+    else:
+        stalled = condition("Stalled", False, "AsExpected", "nothing needs a person")
+    if settled:
+        reconciling = condition("Reconciling", False, "Complete", str(ready["message"]))
+    elif stalled["status"] == "True":
+        reconciling = condition("Reconciling", False, "Stalled", "see Stalled")
+    else:
+        reconciling = condition("Reconciling", True, str(ready["reason"]), str(ready["message"]))
+    return [stalled, reconciling]

@@ -31,6 +31,7 @@ from brook_operator.controller.conditions import (
     invalid_status,
     spec_error,
 )
+from brook_operator.controller.pod_reasons import PodProblem, pod_problems
 from brook_operator.kube import STATUS_MANAGER, KubeClient, KubeError
 from brook_operator.render import (
     PRUNABLE_KINDS,
@@ -39,7 +40,7 @@ from brook_operator.render import (
     render_children,
     with_owner,
 )
-from brook_operator.render.labels import INSTANCE_LABEL
+from brook_operator.render.labels import INSTANCE_LABEL, selector_labels
 from brook_operator.render.workload import LWS_API_VERSION
 
 log = logging.getLogger(__name__)
@@ -130,6 +131,7 @@ class Reconciler:
             lws_missing=lws_missing,
             error=str(result.error) if result.error else None,
             problem=result.problem,
+            pod_problems=self.read_pod_problems(llmi),
         )
         result.status = compute_status(llmi, observed, body.get("status"))
         self._write_status(namespace, name, result.status)
@@ -172,6 +174,7 @@ class Reconciler:
             desired_replicas=desired_replicas(llmi, self._count(llmi, body, workload, None)),
             lws_missing=lws_missing,
             problem=problem,
+            pod_problems=self.read_pod_problems(llmi),
         )
         status = compute_status(llmi, observed, previous)
         if _same(status, previous):
@@ -189,6 +192,18 @@ class Reconciler:
         return status
 
     # -- steps ---------------------------------------------------------------------------
+
+    def read_pod_problems(self, llmi: LLMInference) -> tuple[PodProblem, ...]:
+        """Why the resource's engine pods are not serving (terminating pods aside); none
+        when the pods cannot be read (the status then counts replicas only)."""
+        selector = ",".join(f"{k}={v}" for k, v in selector_labels(llmi).items())
+        try:
+            pods = self.kube.list("v1", "Pod", llmi.metadata.namespace, selector)
+        except KubeError as exc:
+            log.info("%s: pods not read: %s", llmi.metadata.name, exc)
+            return ()
+        live = [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
+        return tuple(problem for pod in live for problem in pod_problems(pod))
 
     def _write_status(self, namespace: str | None, name: str, status: dict[str, Any]) -> None:
         self.kube.apply_status(API_VERSION, KIND, namespace, name, status, STATUS_MANAGER)

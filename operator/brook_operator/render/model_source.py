@@ -52,6 +52,7 @@ def _fetch_container(
         "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
         # The restricted profile applies here too; HOME points at the writable volume.
         "securityContext": restricted_container_context(),
+        "terminationMessagePolicy": "FallbackToLogsOnError",  # a failed download says why
     }
 
 

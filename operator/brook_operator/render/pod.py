@@ -111,9 +111,16 @@ def _probes() -> dict[str, Any]:
     }
 
 
+#: Seconds a terminating leader keeps serving before its SIGTERM: the time endpoints,
+#: kube-proxy and gateways take to stop sending it new requests (the engine then stops
+#: answering /ready and drains what it has).
+PRESTOP_SLEEP_SECONDS = 5
+
+
 def termination_grace_seconds(drain_timeout: float) -> int:
-    """Above the engine's drain timeout, so SIGKILL never cuts a drain short."""
-    return math.ceil(drain_timeout) + 30
+    """Above the pre-stop wait and the engine's drain timeout, so SIGKILL never cuts a
+    drain short."""
+    return PRESTOP_SLEEP_SECONDS + math.ceil(drain_timeout) + 30
 
 
 def pod_template(llmi: LLMInference, settings: OperatorSettings, role: Role) -> dict[str, Any]:
@@ -165,9 +172,15 @@ def pod_template(llmi: LLMInference, settings: OperatorSettings, role: Role) -> 
         "resources": _resources(llmi),
         "volumeMounts": mounts,
         "securityContext": restricted_container_context(),
+        # A crash's last log lines become the termination message, which the operator puts
+        # in the Ready condition and `brook deploy --wait` prints.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     if role == "leader":
         container.update(_probes())
+        # `sleep` from the image (the native sleep action needs Kubernetes 1.30)
+        sleep = ["sleep", str(PRESTOP_SLEEP_SECONDS)]
+        container["lifecycle"] = {"preStop": {"exec": {"command": sleep}}}
     scheduling = spec.scheduling
     pod_spec: dict[str, Any] = {
         "serviceAccountName": "default",

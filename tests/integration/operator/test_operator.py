@@ -227,6 +227,108 @@ def test_killed_mid_reconcile_resumes_without_duplicates(
         record_rbac(api)
 
 
+def _failing_pod(api: KubeApi, name: str, status: dict[str, Any]) -> None:
+    """An engine pod of tiny-cpu as the kubelet or the scheduler reports it."""
+    api.create(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": name,
+                "namespace": NAMESPACE,
+                "labels": {
+                    "app.kubernetes.io/name": "brook-engine",
+                    "brook.dev/llminference": "tiny-cpu",
+                    "brook.dev/role": "leader",
+                },
+            },
+            "spec": {"containers": [{"name": "engine", "image": "brook-engine:test"}]},
+        }
+    )
+    api.set_status("pods", name, status, NAMESPACE)
+
+
+def test_status_says_why_replicas_are_not_ready(
+    kube_api: KubeApi, brook_crd: Any, tmp_path: Path
+) -> None:
+    """A crash loop (with the engine's last error line), an image that cannot be pulled and a
+    pod no node can take, each in the Ready condition with its reason; kstatus's Stalled
+    says a person is needed, and clears when the pods recover."""
+    kube_api.create_namespace(NAMESPACE)
+    cluster = EmulatedCluster(kube_api)
+    process = OperatorProcess.start(
+        kube_api.kubeconfig,
+        tmp_path / "operator.log",
+        namespaces=[NAMESPACE],
+        extra_args=("--resync-seconds=0.5",),
+    )
+    try:
+        scenarios.apply(cluster, scenarios.manifest("tiny-cpu", NAMESPACE, replicas=3))
+        scenarios.wait_status(
+            cluster, "tiny-cpu", lambda o: bool(scenarios.condition(o, "Ready")), "Ready"
+        )
+        crash = {
+            "name": "engine",
+            "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 20s"}},
+            "lastState": {
+                "terminated": {
+                    "exitCode": 2,
+                    "reason": "Error",
+                    "message": "INFO loading\n"
+                    "error: model.uri: /models/tiny-llama has no config.json",
+                }
+            },
+        }
+        _failing_pod(kube_api, "tiny-cpu-a", {"phase": "Running", "containerStatuses": [crash]})
+        pull = {
+            "name": "engine",
+            "state": {
+                "waiting": {
+                    "reason": "ImagePullBackOff",
+                    "message": 'Back-off pulling image "brook-engine:test"',
+                }
+            },
+        }
+        _failing_pod(kube_api, "tiny-cpu-b", {"phase": "Pending", "containerStatuses": [pull]})
+        unschedulable = {
+            "type": "PodScheduled",
+            "status": "False",
+            "reason": "Unschedulable",
+            "message": "0/3 nodes are available: 3 Insufficient cpu.",
+        }
+        _failing_pod(kube_api, "tiny-cpu-c", {"phase": "Pending", "conditions": [unschedulable]})
+
+        def says_all(obj: dict[str, Any] | None) -> bool:
+            message = str(scenarios.condition(obj, "Ready").get("message", ""))
+            return all(r in message for r in ("CrashLoopBackOff", "ImagePull", "Unschedulable"))
+
+        llmi = scenarios.wait_status(cluster, "tiny-cpu", says_all, "the pods' reasons")
+        ready = scenarios.condition(llmi, "Ready")
+        assert ready["status"] == "False" and ready["reason"] == "CrashLoopBackOff"
+        assert (
+            "exit code 2: error: model.uri: /models/tiny-llama has no config.json"
+            in (ready["message"])
+        )
+        assert 'Back-off pulling image "brook-engine:test"' in ready["message"]
+        assert "3 Insufficient cpu" in ready["message"]
+        stalled = scenarios.condition(llmi, "Stalled")
+        assert stalled["status"] == "True" and stalled["reason"] == "CrashLoopBackOff"
+        # the pods recover (new image, fixed model, a node added): the reasons go
+        for name in ("tiny-cpu-a", "tiny-cpu-b", "tiny-cpu-c"):
+            kube_api.delete("pods", name, NAMESPACE)
+        llmi = scenarios.wait_status(
+            cluster,
+            "tiny-cpu",
+            lambda o: scenarios.condition(o, "Stalled").get("status") == "False",
+            "Stalled=False",
+        )
+        assert scenarios.condition(llmi, "Ready")["reason"] == "ReplicasNotReady"
+        assert scenarios.condition(llmi, "Reconciling")["status"] == "True"
+    finally:
+        assert process.stop() == 0
+        record_rbac(kube_api)
+
+
 def test_throttling_and_server_errors_are_retried(
     cluster: EmulatedCluster, operator: OperatorProcess
 ) -> None:

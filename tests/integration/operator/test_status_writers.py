@@ -19,7 +19,7 @@ from support.kube_api import KubeApi
 NAMESPACE = "ai"
 NAME = "tiny-cpu"
 AUTOSCALER_CONDITIONS = {"MetricsAvailable", "ScalingActive", "ScalingLimited"}
-RECONCILER_CONDITIONS = {"SpecValid", "Degraded", "Ready", "Progressing"}
+RECONCILER_CONDITIONS = {"SpecValid", "Degraded", "Ready", "Progressing", "Reconciling", "Stalled"}
 
 
 @pytest.fixture

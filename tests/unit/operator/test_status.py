@@ -112,3 +112,77 @@ def test_suspended_resource_is_not_ready_for_that_reason() -> None:
     workload = _deployment(1, 1, replicas=0)
     ready = _conditions(compute_status(llmi, Observed(workload, desired_replicas=0)))["Ready"]
     assert (ready["status"], ready["reason"]) == ("False", "Suspended")
+
+
+def _problem_pod(name: str, **status: Any) -> dict[str, Any]:
+    return {"metadata": {"name": name}, "status": status}
+
+
+def test_ready_says_why_with_the_pods_reasons_and_kstatus_follows() -> None:
+    from brook_operator.controller.pod_reasons import pod_problems
+
+    workload = _deployment(2, 2, replicas=3, readyReplicas=1, updatedReplicas=3)
+    crash = _problem_pod(
+        "tiny-cpu-a",
+        containerStatuses=[
+            {
+                "name": "engine",
+                "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s"}},
+                "lastState": {
+                    "terminated": {
+                        "exitCode": 1,
+                        "message": "loading...\nConfigError: model.uri: no config.json",
+                    }
+                },
+            }
+        ],
+    )
+    pending = _problem_pod(
+        "tiny-cpu-b",
+        conditions=[
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "message": "0/4 nodes are available: 4 Insufficient huawei.com/Ascend910.",
+            }
+        ],
+    )
+    problems = tuple(p for pod in (pending, crash) for p in pod_problems(pod))
+    observed = Observed(workload, desired_replicas=3, pod_problems=problems)
+    conditions = _conditions(compute_status(_llmi(), observed, None, now="T1"))
+    ready = conditions["Ready"]
+    assert ready["status"] == "False"
+    assert ready["reason"] == "CrashLoopBackOff"  # the one that will not clear by itself
+    assert ready["message"].startswith("1/3 replicas ready: pod tiny-cpu-b: Unschedulable")
+    assert "exit code 1: ConfigError: model.uri: no config.json" in ready["message"]
+    assert conditions["Stalled"]["status"] == "True"
+    assert conditions["Stalled"]["reason"] == "CrashLoopBackOff"
+    assert conditions["Reconciling"]["status"] == "False"
+
+    # only a pod no node can take yet: not stalled (a node may come), reconciling
+    waiting = Observed(workload, desired_replicas=3, pod_problems=pod_problems_of(pending))
+    conditions = _conditions(compute_status(_llmi(), waiting, None, now="T1"))
+    assert conditions["Ready"]["reason"] == "Unschedulable"
+    assert "Insufficient huawei.com/Ascend910" in conditions["Ready"]["message"]
+    assert conditions["Stalled"]["status"] == "False"
+    assert conditions["Reconciling"]["status"] == "True"
+
+    # every replica ready: neither
+    done = _deployment(2, 2, replicas=3, readyReplicas=3, updatedReplicas=3)
+    conditions = _conditions(compute_status(_llmi(), Observed(done, 3), None, now="T1"))
+    assert conditions["Reconciling"]["status"] == conditions["Stalled"]["status"] == "False"
+
+
+def pod_problems_of(pod: dict[str, Any]) -> tuple[Any, ...]:
+    from brook_operator.controller.pod_reasons import pod_problems
+
+    return tuple(pod_problems(pod))
+
+
+def test_an_invalid_spec_is_stalled() -> None:
+    body = {"metadata": {"generation": 2}, "spec": {}, "status": {}}
+    conditions = _conditions(invalid_status(body, "spec.model: Field required", now="T1"))
+    assert conditions["Stalled"]["status"] == "True"
+    assert conditions["Stalled"]["reason"] == "InvalidSpec"
+    assert conditions["Reconciling"]["status"] == "False"
