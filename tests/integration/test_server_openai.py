@@ -267,7 +267,10 @@ def test_metrics_carry_the_documented_names(api_server: Any) -> None:
         names.TIME_PER_OUTPUT_TOKEN_SECONDS + "_count",
         names.E2E_REQUEST_LATENCY_SECONDS + "_count",
         names.GATEWAY_NUM_REQUESTS_WAITING, names.GATEWAY_NUM_REQUESTS_RUNNING,
-        names.GATEWAY_KV_CACHE_USAGE_PERC, names.VLLM_KV_CACHE_USAGE_PERC,
+        names.GATEWAY_KV_CACHE_USAGE_PERC,
+        f'{names.VLLM_KV_CACHE_USAGE_PERC}{{model_name="tiny"}}',
+        f'{names.VLLM_GENERATION_TOKENS_TOTAL}{{model_name="tiny"}}',
+        f'{names.VLLM_TIME_TO_FIRST_TOKEN_SECONDS}_count{{model_name="tiny"}}',
     ):  # fmt: skip
         assert name in samples, name
     assert samples[names.COMM_COMPUTE_OVERLAP_RATIO] == 1.0

@@ -80,3 +80,17 @@ GATEWAY_KV_CACHE_USAGE_PERC: Final = "kv_cache_usage_perc"
 VLLM_NUM_REQUESTS_WAITING: Final = "vllm:num_requests_waiting"
 VLLM_NUM_REQUESTS_RUNNING: Final = "vllm:num_requests_running"
 VLLM_KV_CACHE_USAGE_PERC: Final = "vllm:kv_cache_usage_perc"
+# The same figures under vLLM's names, where they mean the same thing, so the dashboards and
+# recipes written for vLLM read Brook; all carry vLLM's ``model_name`` label. Brook's TPOT is
+# a request's mean, which is vLLM's request_time_per_output_token (not its per-token ITL).
+VLLM_PROMPT_TOKENS_TOTAL: Final = "vllm:prompt_tokens_total"
+VLLM_GENERATION_TOKENS_TOTAL: Final = "vllm:generation_tokens_total"
+VLLM_NUM_PREEMPTIONS_TOTAL: Final = "vllm:num_preemptions_total"
+VLLM_PREFIX_CACHE_QUERIES_TOTAL: Final = "vllm:prefix_cache_queries_total"  # tokens
+VLLM_PREFIX_CACHE_HITS_TOTAL: Final = "vllm:prefix_cache_hits_total"  # tokens
+VLLM_REQUEST_SUCCESS_TOTAL: Final = "vllm:request_success_total"  # label: finished_reason
+VLLM_TIME_TO_FIRST_TOKEN_SECONDS: Final = "vllm:time_to_first_token_seconds"
+VLLM_REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS: Final = "vllm:request_time_per_output_token_seconds"
+VLLM_E2E_REQUEST_LATENCY_SECONDS: Final = "vllm:e2e_request_latency_seconds"
+VLLM_REQUEST_QUEUE_TIME_SECONDS: Final = "vllm:request_queue_time_seconds"
+VLLM_MODEL_LABEL: Final = "model_name"

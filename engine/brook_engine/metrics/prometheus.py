@@ -5,6 +5,7 @@ injected registry (several engines can live in one process, as in tests), fed fr
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -33,22 +34,35 @@ class EngineMetrics:
         def histogram(name: str, text: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(name, text, buckets=buckets, registry=registry)
 
+        model = {names.VLLM_MODEL_LABEL: info.get("model", "")}
+        label = [names.VLLM_MODEL_LABEL]
+
+        def vllm_gauge(name: str, text: str) -> Any:
+            return gauge(name, text, label).labels(**model)
+
+        def vllm_counter(name: str, text: str) -> Any:
+            return counter(name, text, label).labels(**model)
+
+        def vllm_histogram(name: str, text: str, buckets: tuple[float, ...]) -> Any:
+            metric = Histogram(name, text, label, buckets=buckets, registry=registry)
+            return metric.labels(**model)
+
         self.info = gauge(names.MODEL_INFO, "Model and configuration; the value is 1.", info)
         self.info.labels(**info).set(1)
         self.running = [
             gauge(names.NUM_REQUESTS_RUNNING, "Requests in the running batch."),
             gauge(names.GATEWAY_NUM_REQUESTS_RUNNING, "Requests running (inference gateway)."),
-            gauge(names.VLLM_NUM_REQUESTS_RUNNING, "Requests running (vLLM name)."),
+            vllm_gauge(names.VLLM_NUM_REQUESTS_RUNNING, "Requests running (vLLM name)."),
         ]
         self.waiting = [
             gauge(names.NUM_REQUESTS_WAITING, "Requests queued for the running batch."),
             gauge(names.GATEWAY_NUM_REQUESTS_WAITING, "Requests queued (inference gateway)."),
-            gauge(names.VLLM_NUM_REQUESTS_WAITING, "Requests queued (vLLM name)."),
+            vllm_gauge(names.VLLM_NUM_REQUESTS_WAITING, "Requests queued (vLLM name)."),
         ]
         self.kv_usage = [
             gauge(names.KV_CACHE_USAGE_RATIO, "Fraction of KV-cache blocks in use (0..1)."),
             gauge(names.GATEWAY_KV_CACHE_USAGE_PERC, "KV-cache usage, 0..1 (inference gateway)."),
-            gauge(names.VLLM_KV_CACHE_USAGE_PERC, "KV-cache usage, 0..1 (vLLM name)."),
+            vllm_gauge(names.VLLM_KV_CACHE_USAGE_PERC, "KV-cache usage, 0..1 (vLLM name)."),
         ]
         self.kv_blocks = gauge(names.KV_CACHE_NUM_BLOCKS, "KV-cache blocks allocated.")
         self.overlap = gauge(
@@ -217,6 +231,46 @@ class EngineMetrics:
         self.queue = histogram(
             names.REQUEST_QUEUE_TIME_SECONDS, "Arrival to first scheduled.", _LATENCY_BUCKETS
         )
+        self.vllm_requests = Counter(
+            names.VLLM_REQUEST_SUCCESS_TOTAL.removesuffix("_total"),
+            "Requests ended, by finish reason (vLLM name).",
+            [names.VLLM_MODEL_LABEL, "finished_reason"],
+            registry=registry,
+        )
+        self.vllm_counters = {
+            "num_prompt_tokens_total": vllm_counter(
+                names.VLLM_PROMPT_TOKENS_TOTAL, "Prompt tokens received (vLLM name)."
+            ),
+            "num_generation_tokens_total": vllm_counter(
+                names.VLLM_GENERATION_TOKENS_TOTAL, "Tokens generated (vLLM name)."
+            ),
+            "num_preemptions_total": vllm_counter(
+                names.VLLM_NUM_PREEMPTIONS_TOTAL, "Sequences preempted (vLLM name)."
+            ),
+            "prefix_cache_queries_total": vllm_counter(
+                names.VLLM_PREFIX_CACHE_QUERIES_TOTAL, "Prompt tokens looked up (vLLM name)."
+            ),
+            "prefix_cache_hits_total": vllm_counter(
+                names.VLLM_PREFIX_CACHE_HITS_TOTAL, "Prompt tokens found (vLLM name)."
+            ),
+        }
+        self.vllm_ttft = vllm_histogram(
+            names.VLLM_TIME_TO_FIRST_TOKEN_SECONDS, "TTFT (vLLM name).", _LATENCY_BUCKETS
+        )
+        self.vllm_tpot = vllm_histogram(
+            names.VLLM_REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS,
+            "A request's mean time per output token (vLLM name).",
+            _TOKEN_LATENCY_BUCKETS,
+        )
+        self.vllm_e2e = vllm_histogram(
+            names.VLLM_E2E_REQUEST_LATENCY_SECONDS,
+            "End-to-end latency (vLLM name).",
+            _LATENCY_BUCKETS,
+        )
+        self.vllm_queue = vllm_histogram(
+            names.VLLM_REQUEST_QUEUE_TIME_SECONDS, "Queue time (vLLM name).", _LATENCY_BUCKETS
+        )
+        self._model = model[names.VLLM_MODEL_LABEL]
         self._last: EngineStats | None = None
 
     def record(self, stats: EngineStats, finished: Iterable[FinishedRequestStats] = ()) -> None:
@@ -295,16 +349,22 @@ class EngineMetrics:
             now, before = getattr(stats, field), getattr(last, field) if last else 0
             if now > before:
                 metric.inc(now - before)
+                if field in self.vllm_counters:
+                    self.vllm_counters[field].inc(now - before)
         self._last = stats
         for request in finished:
             self.requests.labels(finish_reason=request.finish_reason).inc()
-            self.e2e.observe(request.e2e_latency)
-            if request.queue_time is not None:
-                self.queue.observe(request.queue_time)
-            if request.time_to_first_token is not None:
-                self.ttft.observe(request.time_to_first_token)
-            if request.time_per_output_token is not None:
-                self.tpot.observe(request.time_per_output_token)
+            self.vllm_requests.labels(self._model, request.finish_reason).inc()
+            observed: tuple[tuple[tuple[Any, Any], float | None], ...] = (
+                ((self.e2e, self.vllm_e2e), request.e2e_latency),
+                ((self.queue, self.vllm_queue), request.queue_time),
+                ((self.ttft, self.vllm_ttft), request.time_to_first_token),
+                ((self.tpot, self.vllm_tpot), request.time_per_output_token),
+            )
+            for twins, latency in observed:
+                if latency is not None:
+                    for twin in twins:
+                        twin.observe(latency)
 
     def _record_kv_layer_dtypes(self, dtypes: tuple[str, ...]) -> None:
         """The per-layer dtype series and the per-dtype counts, brought to ``dtypes`` from

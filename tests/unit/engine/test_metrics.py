@@ -41,9 +41,9 @@ def test_counters_follow_the_running_totals_and_gauges_the_snapshot() -> None:
     assert value(names.GENERATION_TOKENS_TOTAL) == 9
     assert value(names.PREEMPTIONS_TOTAL) == 1
     assert value(names.NUM_REQUESTS_RUNNING) == 2
-    for name in (names.NUM_REQUESTS_WAITING, names.GATEWAY_NUM_REQUESTS_WAITING,
-                 names.VLLM_NUM_REQUESTS_WAITING):  # fmt: skip
+    for name in (names.NUM_REQUESTS_WAITING, names.GATEWAY_NUM_REQUESTS_WAITING):
         assert value(name) == 5
+    assert value(names.VLLM_NUM_REQUESTS_WAITING, model_name="m") == 5
     assert value(names.GATEWAY_KV_CACHE_USAGE_PERC) == 0.25
     assert value(names.DEVICE_MEMORY_BYTES, kind="weights") == 100
     assert value(names.MODEL_INFO, model="m", dtype="bfloat16") == 1
@@ -53,6 +53,17 @@ def test_counters_follow_the_running_totals_and_gauges_the_snapshot() -> None:
     assert value(names.TIME_PER_OUTPUT_TOKEN_SECONDS + "_sum") == 1.0  # 3 s over 3 gaps
     assert value(names.E2E_REQUEST_LATENCY_SECONDS + "_sum") == 4.0
     assert value(names.REQUEST_QUEUE_TIME_SECONDS + "_sum") == 0.5
+    # the same figures under vLLM's names and its model_name label, for its dashboards
+    vllm = {"model_name": "m"}
+    assert value(names.VLLM_PROMPT_TOKENS_TOTAL, **vllm) == 25
+    assert value(names.VLLM_GENERATION_TOKENS_TOTAL, **vllm) == 9
+    assert value(names.VLLM_NUM_PREEMPTIONS_TOTAL, **vllm) == 1
+    assert value(names.VLLM_REQUEST_SUCCESS_TOTAL, **vllm, finished_reason="length") == 1
+    assert value(names.VLLM_TIME_TO_FIRST_TOKEN_SECONDS + "_sum", **vllm) == 1.0
+    assert value(names.VLLM_REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS + "_sum", **vllm) == 1.0
+    assert value(names.VLLM_E2E_REQUEST_LATENCY_SECONDS + "_count", **vllm) == 1
+    assert value(names.VLLM_REQUEST_QUEUE_TIME_SECONDS + "_sum", **vllm) == 0.5
+    assert value(names.VLLM_KV_CACHE_USAGE_PERC, **vllm) == 0.25
 
 
 def test_two_engines_in_one_process_do_not_collide() -> None:
