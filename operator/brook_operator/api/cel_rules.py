@@ -21,6 +21,16 @@ from brook_engine.config import (
 )
 from brook_operator.api.autoscaling import AutoscalingSpec
 from brook_operator.api.kube import RolloutSpec
+from brook_operator.api.pod_overrides import (
+    OPERATOR_ANNOTATION_PREFIXES,
+    OPERATOR_CONTAINERS,
+    OPERATOR_ENV,
+    OPERATOR_ENV_PREFIX,
+    OPERATOR_LABEL_PREFIXES,
+    OPERATOR_MOUNT_PATHS,
+    OPERATOR_VOLUMES,
+    PodOverrides,
+)
 from brook_operator.api.spec import LLMInferenceSpec
 
 
@@ -45,8 +55,20 @@ _RESOURCE = (
 )
 _PER_NODE = "self.accelerator.devicesPerNode"
 
+
+def _cel_list(items: tuple[str, ...]) -> str:
+    return "[" + ", ".join(f"'{item}'" for item in items) + "]"
+
+
 CEL_RULES: dict[type[BaseModel], list[Rule]] = {
     LLMInferenceSpec: [
+        Rule(
+            "!has(self.pod) || !has(self.shapes.cacheDir) || "
+            "self.pod.volumeMounts.all(m, m.mountPath != self.shapes.cacheDir)",
+            "pod.volumeMounts: shapes.cacheDir is where the operator mounts the compile cache; "
+            "mount elsewhere",
+            ".pod.volumeMounts",
+        ),
         # What this engine build cannot honour yet (brook_engine.config.supported).
         Rule(
             "self.offload.policy != 'adaptive' || "
@@ -211,6 +233,63 @@ CEL_RULES: dict[type[BaseModel], list[Rule]] = {
             "string(self.maxUnavailable).matches('^[0-9]{1,3}%?$')",
             "maxSurge and maxUnavailable take a count (1) or a percentage (25%)",
             ".maxSurge",
+        ),
+    ],
+    PodOverrides: [
+        Rule(
+            f"self.env.all(e, !(e.name in {_cel_list(OPERATOR_ENV)}) && "
+            f"!e.name.startsWith('{OPERATOR_ENV_PREFIX}'))",
+            f"the operator sets {', '.join(OPERATOR_ENV)} and every {OPERATOR_ENV_PREFIX}* "
+            "variable (the rendezvous, the devices, accelerator.hccl); change the spec field "
+            "that sets it instead",
+            ".env",
+        ),
+        Rule(
+            f"self.volumes.all(v, has(v.name) && !(v.name in {_cel_list(OPERATOR_VOLUMES)}))",
+            f"each volume needs a name other than the operator's ({', '.join(OPERATOR_VOLUMES)})",
+            ".volumes",
+        ),
+        Rule(
+            "self.volumeMounts.all(m, self.volumes.exists(v, has(v.name) && v.name == m.name))",
+            "each mount names one of pod.volumes",
+            ".volumeMounts",
+        ),
+        Rule(
+            f"self.volumeMounts.all(m, m.mountPath != '/' && "
+            f"!{_cel_list(OPERATOR_MOUNT_PATHS)}.exists(p, m.mountPath == p || "
+            "m.mountPath.startsWith(p + '/')))",
+            f"the operator mounts its own volumes at {', '.join(OPERATOR_MOUNT_PATHS)}; "
+            "mount elsewhere",
+            ".volumeMounts",
+        ),
+        Rule(
+            f"self.initContainers.all(c, has(c.name) && has(c.image) && "
+            f"!(c.name in {_cel_list(OPERATOR_CONTAINERS)}))",
+            f"each container needs a name other than the operator's "
+            f"({', '.join(OPERATOR_CONTAINERS)}) and an image",
+            ".initContainers",
+        ),
+        Rule(
+            f"self.sidecars.all(c, has(c.name) && has(c.image) && "
+            f"!(c.name in {_cel_list(OPERATOR_CONTAINERS)}))",
+            f"each container needs a name other than the operator's "
+            f"({', '.join(OPERATOR_CONTAINERS)}) and an image",
+            ".sidecars",
+        ),
+        Rule(
+            "self.labels.all(k, "
+            + " && ".join(f"!k.startsWith('{p}')" for p in OPERATOR_LABEL_PREFIXES)
+            + ")",
+            f"the operator owns the label prefixes {', '.join(OPERATOR_LABEL_PREFIXES)} (its "
+            "selectors)",
+            ".labels",
+        ),
+        Rule(
+            "self.annotations.all(k, "
+            + " && ".join(f"!k.startsWith('{p}')" for p in OPERATOR_ANNOTATION_PREFIXES)
+            + ")",
+            f"the operator owns the annotation prefixes {', '.join(OPERATOR_ANNOTATION_PREFIXES)}",
+            ".annotations",
         ),
     ],
 }

@@ -19,7 +19,14 @@ from brook_engine.config import (
 )
 from brook_engine.config.supported import unsupported_settings
 from brook_operator.api.autoscaling import AutoscalingSpec
-from brook_operator.api.kube import ResourcesSpec, RolloutSpec, SchedulingSpec, SecretKeyRef
+from brook_operator.api.kube import (
+    LABEL_VALUE,
+    ResourcesSpec,
+    RolloutSpec,
+    SchedulingSpec,
+    SecretKeyRef,
+)
+from brook_operator.api.pod_overrides import PodOverrides, pod_problems
 
 #: Where the operator mounts the API key Secret in the engine container.
 API_KEY_PATH = "/var/run/secrets/brook/api-key"
@@ -40,10 +47,6 @@ class ModelSpec(ModelConfig):
 
     credentials_secret_ref: SecretKeyRef | None = None
     """Secret key holding the token for hf://, s3:// or oci:// (never logged)."""
-
-
-#: A label value (empty, or up to 63 of letters, digits, '-', '_', '.', alphanumeric at the ends).
-LABEL_VALUE = Field(max_length=63, pattern=r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 
 
 class LabelSelector(Section):
@@ -166,6 +169,11 @@ class LLMInferenceSpec(EngineSections, _SpecHead):
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     """How spec changes roll out."""
 
+    pod: PodOverrides | None = None
+    """Added to every engine pod: environment, volumes and mounts, service account, image
+    pull secrets, runtime class, labels, annotations, sidecars, init containers. The
+    operator's own parts are protected: naming one is refused with the field that sets it."""
+
     @model_validator(mode="after")
     def _kubernetes_rules(self) -> LLMInferenceSpec:
         problems = spec_problems(self) + unsupported_settings(self)
@@ -209,6 +217,15 @@ def spec_problems(spec: LLMInferenceSpec) -> list[str]:
     rollout = spec.rollout
     if str(rollout.max_surge) in ("0", "0%") and str(rollout.max_unavailable) in ("0", "0%"):
         problems.append("rollout: maxSurge and maxUnavailable cannot both be 0")
+    if spec.pod is not None:
+        problems += pod_problems(spec.pod)
+        cache = spec.shapes.cache_dir
+        for mount in spec.pod.volume_mounts:
+            if cache and mount.mount_path.rstrip("/") == cache.rstrip("/"):
+                problems.append(
+                    f"pod.volumeMounts: {mount.mount_path} is shapes.cacheDir, where the "
+                    "operator mounts the compile cache; mount elsewhere"
+                )
     if spec.accelerator.effective_resource_name is not None:
         for kind in ("requests", "limits"):
             if spec.accelerator.effective_resource_name in getattr(spec.resources, kind):

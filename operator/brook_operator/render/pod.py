@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from brook_operator.api import API_KEY_PATH, LLMInference, topology
+from brook_operator.api.pod_overrides import PodOverrides
 from brook_operator.render.config_map import ENGINE_CONFIG_FILE, config_map_name
 from brook_operator.render.labels import ROLE_LABEL, child_labels
 from brook_operator.render.model_source import model_source, restricted_container_context
@@ -227,7 +228,45 @@ def pod_template(llmi: LLMInference, settings: OperatorSettings, role: Role) -> 
     metadata: dict[str, Any] = {"labels": {**child_labels(llmi), ROLE_LABEL: role}}
     if annotations:
         metadata["annotations"] = annotations
+    if spec.pod is not None:
+        _add_overrides(spec.pod, metadata, pod_spec, container)
     return {"metadata": metadata, "spec": pod_spec}
+
+
+def _add_overrides(
+    pod: PodOverrides, metadata: dict[str, Any], pod_spec: dict[str, Any], engine: dict[str, Any]
+) -> None:
+    """``spec.pod`` added to the rendered pod: the validation already refused every name and
+    path the operator uses, so adding never replaces the operator's own."""
+    if pod.labels:
+        metadata["labels"] = {**pod.labels, **metadata["labels"]}
+    if pod.annotations:
+        metadata["annotations"] = {**pod.annotations, **metadata.get("annotations", {})}
+    if pod.service_account_name:
+        pod_spec["serviceAccountName"] = pod.service_account_name
+    pod_spec["automountServiceAccountToken"] = pod.automount_service_account_token
+    if pod.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s.name} for s in pod.image_pull_secrets]
+    if pod.runtime_class_name:
+        pod_spec["runtimeClassName"] = pod.runtime_class_name
+    engine["env"] += [v.model_dump(by_alias=True, exclude_none=True) for v in pod.env]
+    if pod.env_from:
+        engine["envFrom"] = list(pod.env_from)
+    engine["volumeMounts"] += [
+        m.model_dump(by_alias=True, exclude_none=True, exclude_defaults=True)
+        | {"name": m.name, "mountPath": m.mount_path}
+        for m in pod.volume_mounts
+    ]
+    pod_spec["volumes"] += list(pod.volumes)
+    if pod.init_containers:
+        pod_spec["initContainers"] = [*pod_spec.get("initContainers", []), *pod.init_containers]
+    pod_spec["containers"] += list(pod.sidecars)
+    for key, items in (
+        ("topologySpreadConstraints", pod.topology_spread_constraints),
+        ("hostAliases", pod.host_aliases),
+    ):
+        if items:
+            pod_spec[key] = list(items)
 
 
 def http_port(pod: Mapping[str, Any]) -> int | None:

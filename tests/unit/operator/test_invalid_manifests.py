@@ -183,6 +183,57 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
     ),
     ("string-for-integer", {"spec.parallel.tensor": "four"}, "spec.parallel.tensor"),
     ("port-out-of-range", {"spec.server": {"port": 0}}, "spec.server.port"),
+    # spec.pod adds to the pod; what the operator sets is protected, not overridden
+    (
+        "pod-env-the-operator-sets",
+        {"spec.pod": {"env": [{"name": "MASTER_ADDR", "value": "10.0.0.1"}]}},
+        "spec.pod.env",
+    ),
+    (
+        "pod-env-brook-prefix",
+        {"spec.pod": {"env": [{"name": "BROOK_WORLD_SIZE", "value": "4"}]}},
+        "spec.pod.env",
+    ),
+    (
+        "pod-volume-the-operator-names",
+        {"spec.pod": {"volumes": [{"name": "config", "emptyDir": {}}]}},
+        "spec.pod.volumes",
+    ),
+    (
+        "pod-mount-of-no-volume",
+        {"spec.pod": {"volumeMounts": [{"name": "cache", "mountPath": "/cache"}]}},
+        "spec.pod.volumeMounts",
+    ),
+    (
+        "pod-mount-over-the-models",
+        {
+            "spec.pod": {
+                "volumes": [{"name": "cache", "emptyDir": {}}],
+                "volumeMounts": [{"name": "cache", "mountPath": "/models/extra"}],
+            }
+        },
+        "spec.pod.volumeMounts",
+    ),
+    (
+        "pod-sidecar-named-engine",
+        {"spec.pod": {"sidecars": [{"name": "engine", "image": "busybox"}]}},
+        "spec.pod.sidecars",
+    ),
+    (
+        "pod-sidecar-without-image",
+        {"spec.pod": {"sidecars": [{"name": "proxy"}]}},
+        "spec.pod.sidecars",
+    ),
+    (
+        "pod-label-of-the-operator",
+        {"spec.pod": {"labels": {"brook.dev/llminference": "other"}}},
+        "spec.pod.labels",
+    ),
+    (
+        "pod-annotation-of-the-operator",
+        {"spec.pod": {"annotations": {"prometheus.io/port": "9999"}}},
+        "spec.pod.annotations",
+    ),
     ("name-too-long", {"metadata.name": "q" * 60}, "metadata.name"),
     ("name-not-dns", {"metadata.name": "Qwen_110B"}, "metadata.name"),
 ]

@@ -248,3 +248,69 @@ def test_owner_reference_needs_the_uid() -> None:
     )
     with pytest.raises(ValueError, match=r"metadata\.uid"):
         with_owner(render_children(llmi, SETTINGS)[0], llmi)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_what_spec_pod_may_not_name_covers_all_the_operator_renders(path: Path) -> None:
+    """The protected names of spec.pod (refused by the CRD and the models) are every env
+    name, volume, mount point, container and label the operator itself renders."""
+    from brook_operator.api import pod_overrides as protected
+
+    llmi = _llmi(path.stem)
+    workload = _by_kind(render_children(llmi, SETTINGS))
+    workload = workload.get("Deployment") or workload["LeaderWorkerSet"]
+    own = {v["name"] for v in (llmi.spec.pod.volumes if llmi.spec.pod else [])}
+    own_mounts = {m.mount_path for m in (llmi.spec.pod.volume_mounts if llmi.spec.pod else [])}
+    for template in _pod_templates(workload).values():
+        spec = template["spec"]
+        containers = [*spec.get("initContainers", []), *spec["containers"]]
+        assert {c["name"] for c in containers} <= set(protected.OPERATOR_CONTAINERS)
+        for container in containers:
+            for var in container.get("env", []) if container["name"] == "engine" else []:
+                name = var["name"]  # spec.pod.env reaches the engine container only
+                assert name in protected.OPERATOR_ENV or name.startswith("BROOK_"), name
+            for mount in container.get("volumeMounts", []):
+                path_ = mount["mountPath"]
+                allowed = (path_ == llmi.spec.shapes.cache_dir) or any(
+                    path_ == p or path_.startswith(p + "/") for p in protected.OPERATOR_MOUNT_PATHS
+                )
+                assert allowed or path_ in own_mounts, path_
+        assert {v["name"] for v in spec["volumes"]} - own <= set(protected.OPERATOR_VOLUMES)
+        for key in template["metadata"]["labels"]:
+            theirs = llmi.spec.pod is not None and key in llmi.spec.pod.labels
+            assert theirs or key.startswith(protected.OPERATOR_LABEL_PREFIXES), key
+
+
+def test_spec_pod_reaches_every_pod_of_a_multi_pod_replica() -> None:
+    pod = {
+        "env": [{"name": "ASCEND_GLOBAL_LOG_LEVEL", "value": "3"}],
+        "envFrom": [{"secretRef": {"name": "s3-credentials"}}],
+        "volumes": [{"name": "driver", "hostPath": {"path": "/usr/local/Ascend/driver"}}],
+        "volumeMounts": [{"name": "driver", "mountPath": "/usr/local/Ascend/driver"}],
+        "serviceAccountName": "model-reader",
+        "runtimeClassName": "ascend",
+        "sidecars": [{"name": "log-shipper", "image": "fluent-bit:3"}],
+        "initContainers": [{"name": "warm-cache", "image": "busybox:1.36"}],
+        "annotations": {"sidecar.istio.io/inject": "false"},
+    }
+    llmi = _llmi("qwen-110b-npu-tp4-pp2", pod=pod)
+    lws = _by_kind(render_children(llmi, SETTINGS))["LeaderWorkerSet"]
+    for role, template in _pod_templates(lws).items():
+        spec = template["spec"]
+        engine = next(c for c in spec["containers"] if c["name"] == "engine")
+        assert {"name": "ASCEND_GLOBAL_LOG_LEVEL", "value": "3"} in engine["env"], role
+        assert engine["envFrom"] == [{"secretRef": {"name": "s3-credentials"}}]
+        assert engine["volumeMounts"][-1] == {
+            "name": "driver",
+            "mountPath": "/usr/local/Ascend/driver",
+        }
+        assert spec["serviceAccountName"] == "model-reader"
+        assert spec["automountServiceAccountToken"] is False
+        assert spec["runtimeClassName"] == "ascend"
+        assert [c["name"] for c in spec["containers"]] == ["engine", "log-shipper"]
+        assert spec["initContainers"][-1]["name"] == "warm-cache"  # after the model fetch
+        assert template["metadata"]["annotations"]["sidecar.istio.io/inject"] == "false"
+        # the operator's parts are untouched: the rendezvous env, the probes, the context
+        names = [v["name"] for v in engine["env"]]
+        assert names.count("MASTER_ADDR") == 1
+        assert engine["securityContext"]["allowPrivilegeEscalation"] is False
