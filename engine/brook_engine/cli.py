@@ -268,6 +268,26 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     return 0 if report.compiled == report.buckets else 1  # a failed bucket was logged
 
 
+def _cmd_fetch(args: argparse.Namespace) -> int:
+    from brook_engine.config import split_model_uri
+    from brook_engine.fetch import FetchError, fetch_hub
+
+    scheme, repo = split_model_uri(args.uri)
+    if scheme != "hf" or not repo.strip("/"):
+        print(f"error: {args.uri!r}: give a Hub model as hf://ORG/NAME", file=sys.stderr)
+        return 2
+    try:
+        result = fetch_hub(
+            repo.strip("/"), Path(args.output), args.revision, args.include, args.exclude or ()
+        )
+    except FetchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    state = "downloaded" if result.downloaded else "already complete"
+    print(f"{result.folder}: {state} (commit {result.commit or 'unknown'})")
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from brook_engine.bench.command import bench
 
@@ -354,6 +374,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compile_.add_argument("--cache-dir", default=None, help="overrides shapes.cacheDir")
     compile_.set_defaults(func=_cmd_compile)
+
+    fetch = sub.add_parser(
+        "fetch",
+        help="download a Hub model into a folder once: the files the engine reads, under a "
+        "lock that replicas sharing the folder wait on",
+        description="Example: brook-engine fetch hf://Qwen/Qwen2.5-7B-Instruct --output "
+        "/models/qwen --revision main. HF_TOKEN gives a token, HF_ENDPOINT a mirror.",
+    )
+    fetch.add_argument("uri", help="hf://ORG/NAME")
+    fetch.add_argument("--output", required=True, help="the folder to fill")
+    fetch.add_argument("--revision", default=None, help="branch, tag or commit (default main)")
+    fetch.add_argument(
+        "--include",
+        action="append",
+        help="a file pattern to download (repeatable; default: *.json, *.safetensors and the "
+        "tokenizer's files)",
+    )
+    fetch.add_argument(
+        "--exclude", action="append", help="a file pattern not to download (repeatable)"
+    )
+    fetch.set_defaults(func=_cmd_fetch)
 
     bench = sub.add_parser("bench", help="throughput and latency on a synthetic workload")
     _add_engine_flags(bench)

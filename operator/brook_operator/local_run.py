@@ -24,6 +24,7 @@ from pathlib import Path
 from types import FrameType
 
 from brook_engine.config import (
+    MODEL_FILES,
     ApiKeyConfig,
     ConfigError,
     EngineConfig,
@@ -44,10 +45,6 @@ class LocalOptions:
     device: str | None = None
     api_key_file: str | None = None
     api_key_env: str | None = None
-
-
-#: What the engine reads of a Hugging Face model repository (not its other formats' copies).
-HUB_FILES = ("*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja")
 
 
 def fetch_model(llmi: LLMInference, options: LocalOptions) -> LocalOptions:
@@ -71,7 +68,10 @@ def fetch_model(llmi: LLMInference, options: LocalOptions) -> LocalOptions:
     print(f"downloading {llmi.spec.model.uri} into the Hugging Face cache", file=sys.stderr)
     try:
         folder = snapshot_download(
-            repo, revision=llmi.spec.model.revision, allow_patterns=list(HUB_FILES)
+            repo,
+            revision=llmi.spec.model.revision,
+            allow_patterns=list(llmi.spec.model.include or MODEL_FILES),
+            ignore_patterns=list(llmi.spec.model.exclude) or None,
         )
     except Exception as exc:  # the hub client's errors have no common base but Exception
         hint = " (set HF_TOKEN for a gated or private model)" if "401" in str(exc) else ""

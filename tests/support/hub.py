@@ -22,7 +22,7 @@ class Hub:
     url: str
     repo: str
     paths: list[str] = field(default_factory=list)
-    """Every request path, in order."""
+    """Every request as ``METHOD /path``, in order."""
 
 
 def _handler(hub: Hub, folder: Path) -> type[BaseHTTPRequestHandler]:
@@ -42,7 +42,7 @@ def _handler(hub: Hub, folder: Path) -> type[BaseHTTPRequestHandler]:
             self.do_GET()
 
         def do_GET(self) -> None:
-            hub.paths.append(self.path)
+            hub.paths.append(f"{self.command} {self.path}")
             path = self.path.split("?", 1)[0]
             if path.startswith(f"/api/models/{hub.repo}/tree/"):
                 tree = [

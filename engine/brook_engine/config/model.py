@@ -17,6 +17,12 @@ ModelDType = Literal["auto", "bfloat16", "float16", "float32"]
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
 
 
+#: What the engine reads of a model repository: its configuration, weights and tokenizer —
+#: not the other formats' copies (GGUF, PyTorch .bin, ONNX) many repositories also carry.
+#: Downloads take only these unless told otherwise.
+MODEL_FILES = ("*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja")
+
+
 def split_model_uri(uri: str) -> tuple[str, str]:
     """``hf://org/name`` → ``("hf", "org/name")``; a plain path → ``("file", path)``."""
     match = _SCHEME.match(uri)

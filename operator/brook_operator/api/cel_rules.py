@@ -63,6 +63,19 @@ def _cel_list(items: tuple[str, ...]) -> str:
 CEL_RULES: dict[type[BaseModel], list[Rule]] = {
     LLMInferenceSpec: [
         Rule(
+            "!has(self.model.cache) || self.model.uri.startsWith('hf://')",
+            "model.cache: the shared cache holds hf:// downloads; remove cache for other "
+            "sources (pvc:// and file:// need none; s3:// and oci:// are not cached yet)",
+            ".model.cache",
+        ),
+        Rule(
+            "(!has(self.model.include) && size(self.model.exclude) == 0) || "
+            "self.model.uri.startsWith('hf://') || self.model.uri.startsWith('s3://')",
+            "model.include: file patterns filter hf:// and s3:// downloads; remove include and "
+            "exclude for other sources",
+            ".model.include",
+        ),
+        Rule(
             "!has(self.pod) || !has(self.shapes.cacheDir) || "
             "self.pod.volumeMounts.all(m, m.mountPath != self.shapes.cacheDir)",
             "pod.volumeMounts: shapes.cacheDir is where the operator mounts the compile cache; "

@@ -51,6 +51,7 @@ OPERATOR_VOLUMES = (
     "shm",
     "model",
     "model-credentials",
+    "fetch-tmp",
     "compile-cache",
     "api-key",
 )

@@ -37,6 +37,18 @@ MODEL_URI_PATTERN = rf"^({'|'.join(MODEL_URI_SCHEMES)})://.+$"
 DEFAULT_RESOURCE_NAMES = {"npu": "huawei.com/Ascend910", "cuda": "nvidia.com/gpu", "cpu": None}
 
 
+class ModelCache(Section):
+    """A shared model cache: a PersistentVolumeClaim every replica mounts."""
+
+    claim_name: str = Field(
+        min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+    )
+    """A ReadWriteMany claim in the resource's namespace (NFS, CephFS, a cloud file share).
+    The first pod to start downloads the model into a folder of it named after the model and
+    revision; the others wait for that download and find it complete; later restarts and new
+    replicas download nothing."""
+
+
 class ModelSpec(ModelConfig):
     """The model: its source, and how the engine loads it."""
 
@@ -47,6 +59,26 @@ class ModelSpec(ModelConfig):
 
     credentials_secret_ref: SecretKeyRef | None = None
     """Secret key holding the token for hf://, s3:// or oci:// (never logged)."""
+
+    include: list[Annotated[str, Field(min_length=1, max_length=256)]] | None = Field(
+        default=None, min_length=1, max_length=32
+    )
+    """For hf:// and s3://: the file patterns to download (default: what the engine reads —
+    *.json, *.safetensors and the tokenizer's files — not the GGUF, .bin or ONNX copies many
+    repositories also carry)."""
+
+    exclude: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(
+        default_factory=list, max_length=32
+    )
+    """For hf:// and s3://: file patterns not to download, even where include matches."""
+
+    cache: ModelCache | None = None
+    """For hf://: download once into a shared claim that every replica mounts, instead of
+    into each pod's own emptyDir at each start."""
+
+
+#: The model fields only the operator reads (where and how to download), not the engine.
+FETCH_FIELDS = frozenset({"credentials_secret_ref", "include", "exclude", "cache"})
 
 
 class LabelSelector(Section):
@@ -217,6 +249,17 @@ def spec_problems(spec: LLMInferenceSpec) -> list[str]:
     rollout = spec.rollout
     if str(rollout.max_surge) in ("0", "0%") and str(rollout.max_unavailable) in ("0", "0%"):
         problems.append("rollout: maxSurge and maxUnavailable cannot both be 0")
+    scheme = spec.model.uri.split("://", 1)[0].lower()
+    if spec.model.cache is not None and scheme != "hf":
+        problems.append(
+            f"model.cache: the shared cache holds hf:// downloads; a {scheme}:// model "
+            "needs none (pvc://, file://) or is not cached yet (s3://, oci://): remove cache"
+        )
+    if (spec.model.include is not None or spec.model.exclude) and scheme not in ("hf", "s3"):
+        problems.append(
+            f"model.include: file patterns filter hf:// and s3:// downloads; a {scheme}:// "
+            "model is used as it is: remove include and exclude"
+        )
     if spec.pod is not None:
         problems += pod_problems(spec.pod)
         cache = spec.shapes.cache_dir
@@ -241,7 +284,7 @@ def to_engine_config(spec: LLMInferenceSpec) -> EngineConfig:
     as they are, the device from the accelerator, and what only exists inside the pod (all
     interfaces, the mounted API key)."""
     model = ModelConfig.model_validate(
-        spec.model.model_dump(exclude={"credentials_secret_ref"}, by_alias=False)
+        spec.model.model_dump(exclude=set(FETCH_FIELDS), by_alias=False)
     )
     server = ServerConfig(
         **spec.server.model_dump(exclude={"api_key_secret_ref", "allowed_clients"}, by_alias=False),

@@ -4,8 +4,12 @@ local folder the engine then loads.
 - ``file://PATH``: a folder inside the image; nothing to mount.
 - ``pvc://CLAIM/PATH``: the claim mounted read-only at ``/models``.
 - ``hf://ORG/NAME``, ``s3://BUCKET/PREFIX``, ``oci://REGISTRY/REPO:TAG``: an init container
-  downloads into an emptyDir at ``/models`` (the Hugging Face CLI from the engine image, the
-  AWS CLI, ORAS); the credentials Secret reaches only that container.
+  downloads into an emptyDir at ``/models`` (``brook-engine fetch`` from the engine image, the
+  AWS CLI, ORAS); the credentials Secret reaches only that container. hf:// and s3:// take
+  only the files the engine reads (``model.include``/``exclude`` change that).
+- ``hf://`` with ``model.cache``: the download goes into a folder of a shared claim, named
+  after the model and revision, once for every replica (``brook-engine fetch`` locks it and
+  marks it complete); the engine mounts the claim read-only.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from brook_engine.config import split_model_uri
+from brook_engine.config import MODEL_FILES, split_model_uri
 from brook_operator.api import LLMInferenceSpec
 from brook_operator.render.settings import OperatorSettings
 
@@ -96,11 +100,19 @@ def model_source(spec: LLMInferenceSpec, settings: OperatorSettings) -> ModelSou
             else {},
         }
     ]
+    include = list(spec.model.include or MODEL_FILES)
+    exclude = list(spec.model.exclude)
     secret_mount = False
     if scheme == "hf":
-        command = ["hf", "download", rest, "--local-dir", local]
+        if spec.model.cache is not None:
+            local = f"{MODELS_DIR}/{cache_folder(rest, spec.model.revision)}"
+            shared = {"claimName": spec.model.cache.claim_name}
+            volumes = [{"name": MODEL_VOLUME, "persistentVolumeClaim": shared}]
+            env = [{"name": "HOME", "value": "/tmp"}]  # not the shared claim
+        command = ["brook-engine", "fetch", f"hf://{rest}", "--output", local]
         if spec.model.revision:
             command += ["--revision", spec.model.revision]
+        command += [f"--include={p}" for p in include] + [f"--exclude={p}" for p in exclude]
         env.append({"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"})
         if ref is not None:
             env.append(
@@ -110,6 +122,9 @@ def model_source(spec: LLMInferenceSpec, settings: OperatorSettings) -> ModelSou
                 }
             )
         init = _fetch_container("fetch-model", settings.engine_image, command, env, False)
+        if spec.model.cache is not None:
+            init["volumeMounts"].append({"name": "fetch-tmp", "mountPath": "/tmp"})
+            volumes.append({"name": "fetch-tmp", "emptyDir": {}})
     else:
         if ref is not None:
             # The Secret key holds the tool's credentials file: an AWS shared-credentials
@@ -126,7 +141,13 @@ def model_source(spec: LLMInferenceSpec, settings: OperatorSettings) -> ModelSou
             )
         credentials = f"{_CREDENTIALS_DIR}/credentials"
         if scheme == "s3":
-            command = ["aws", "s3", "sync", "--only-show-errors", f"s3://{rest}", local]
+            # aws s3 sync: later filters win — nothing, then the patterns, then the exclusions
+            filters = ["--exclude", "*"]
+            for pattern in include:
+                filters += ["--include", pattern]
+            for pattern in exclude:
+                filters += ["--exclude", pattern]
+            command = ["aws", "s3", "sync", "--only-show-errors", *filters, f"s3://{rest}", local]
             if secret_mount:
                 env.append({"name": "AWS_SHARED_CREDENTIALS_FILE", "value": credentials})
         else:  # oci
@@ -141,3 +162,11 @@ def model_source(spec: LLMInferenceSpec, settings: OperatorSettings) -> ModelSou
         mounts=[{"name": MODEL_VOLUME, "mountPath": MODELS_DIR, "readOnly": True}],
         init_containers=[init],
     )
+
+
+def cache_folder(repo: str, revision: str | None) -> str:
+    """The shared claim's folder of ``repo`` at ``revision``: one per model and revision, a
+    readable name (``Qwen--Qwen2.5-7B@main``)."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in repo.replace("/", "--"))
+    rev = "".join(c if c.isalnum() or c in "-_." else "-" for c in (revision or "main"))
+    return f"{safe}@{rev}"

@@ -234,6 +234,16 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
         {"spec.pod": {"annotations": {"prometheus.io/port": "9999"}}},
         "spec.pod.annotations",
     ),
+    (
+        "model-cache-of-a-claim",
+        {"spec.model.cache": {"claimName": "shared"}},  # the base's model is pvc://
+        "spec.model.cache",
+    ),
+    (
+        "model-patterns-of-a-claim",
+        {"spec.model.include": ["*.safetensors"]},
+        "spec.model.include",
+    ),
     ("name-too-long", {"metadata.name": "q" * 60}, "metadata.name"),
     ("name-not-dns", {"metadata.name": "Qwen_110B"}, "metadata.name"),
 ]

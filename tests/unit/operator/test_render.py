@@ -207,7 +207,7 @@ def test_model_sources_mount_or_fetch_and_the_engine_reads_the_local_folder(
 ) -> None:
     cases = {
         "pvc://models/Qwen/Qwen2.5-7B": ("/models/Qwen/Qwen2.5-7B", None),
-        "hf://Qwen/Qwen2.5-7B-Instruct": ("/models/Qwen/Qwen2.5-7B-Instruct", "hf"),
+        "hf://Qwen/Qwen2.5-7B-Instruct": ("/models/Qwen/Qwen2.5-7B-Instruct", "brook-engine"),
         "s3://bucket/llama/70b": ("/models/bucket/llama/70b", "aws"),
         "oci://registry.example/models/llama:70b": (
             "/models/registry.example/models/llama/70b",
@@ -231,6 +231,52 @@ def test_model_sources_mount_or_fetch_and_the_engine_reads_the_local_folder(
         if uri.startswith("pvc://"):
             volume = next(v for v in spec["volumes"] if v["name"] == "model")
             assert volume["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+
+
+def test_downloads_take_what_the_engine_reads_and_a_shared_cache_is_filled_once() -> None:
+    from brook_engine.config import MODEL_FILES
+
+    llmi = _llmi("qwen-7b-autoscaled")  # hf://Qwen/Qwen2.5-7B-Instruct
+    spec = _by_kind(render_children(llmi, SETTINGS))["Deployment"]["spec"]["template"]["spec"]
+    (fetch,) = spec["initContainers"]
+    assert fetch["command"][:3] == ["brook-engine", "fetch", "hf://Qwen/Qwen2.5-7B-Instruct"]
+    assert [a for a in fetch["command"] if a.startswith("--include=")] == [
+        f"--include={p}" for p in MODEL_FILES
+    ]
+    # the shared cache: one folder per model and revision on the claim, read-only to the
+    # engine, written by the fetch (which locks it for the other replicas)
+    cached = _llmi(
+        "qwen-7b-autoscaled",
+        **{
+            "model.cache": {"claimName": "model-cache"},
+            "model.revision": "v1.2",
+            "model.exclude": ["*onnx*"],
+        },
+    )
+    children = _by_kind(render_children(cached, SETTINGS))
+    spec = children["Deployment"]["spec"]["template"]["spec"]
+    (fetch,) = spec["initContainers"]
+    folder = "/models/Qwen--Qwen2.5-7B-Instruct@v1.2"
+    assert fetch["command"][3:5] == ["--output", folder]
+    assert "--revision" in fetch["command"] and "--exclude=*onnx*" in fetch["command"]
+    model = next(v for v in spec["volumes"] if v["name"] == "model")
+    assert model == {"name": "model", "persistentVolumeClaim": {"claimName": "model-cache"}}
+    (engine,) = spec["containers"]
+    mount = next(m for m in engine["volumeMounts"] if m["name"] == "model")
+    assert mount["readOnly"] is True
+    writable = next(m for m in fetch["volumeMounts"] if m["name"] == "model")
+    assert not writable.get("readOnly")
+    assert (
+        "model.uri: file:///models/Qwen--Qwen2.5-7B-Instruct@v1.2"
+        in (children["ConfigMap"]["data"][ENGINE_CONFIG_FILE].replace('"', "").replace("'", ""))
+        or folder in children["ConfigMap"]["data"][ENGINE_CONFIG_FILE]
+    )
+    # s3:// filters with aws s3 sync's own filters: nothing, the patterns, the exclusions
+    s3 = _llmi("tiny-cpu", **{"model.uri": "s3://bucket/qwen", "model.exclude": ["*.bin"]})
+    spec = _by_kind(render_children(s3, SETTINGS))["Deployment"]["spec"]["template"]["spec"]
+    command = spec["initContainers"][0]["command"]
+    assert command[command.index("--exclude") + 1] == "*"
+    assert command[-4:-2] == ["--exclude", "*.bin"]
 
 
 def test_credentials_reach_only_the_fetching_container() -> None:

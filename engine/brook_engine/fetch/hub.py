@@ -1,0 +1,115 @@
+"""A Hub model into a folder, once: only the files the engine reads (or the patterns given),
+under a lock, with a marker written last. Replicas sharing the folder (a ReadWriteMany claim
+as ``model.cache``) download it once: the first holds the lock and downloads, the others wait
+for it and find the marker. A folder without the marker (a download cut short) is completed
+on the next try; the Hub client skips the files it already has."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from brook_engine.config import MODEL_FILES
+
+#: Written last, naming what is there; its presence means the folder is complete.
+MARKER = ".brook-fetched.json"
+_LOCK = ".brook-fetch.lock"
+
+
+class FetchError(Exception):
+    """The download failed; the message says why and what to check."""
+
+
+@dataclass(frozen=True)
+class Fetched:
+    folder: Path
+    commit: str | None
+    downloaded: bool
+    """False when the folder was already complete (another replica, an earlier run)."""
+
+
+@contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / _LOCK, "a+") as handle:
+        started = time.monotonic()
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another download into {folder}", file=sys.stderr, flush=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            waited = time.monotonic() - started
+            print(f"the other download ended after {waited:.0f} s", file=sys.stderr, flush=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def fetched(folder: Path) -> dict[str, object] | None:
+    """The marker of a complete folder, or None."""
+    try:
+        data = json.loads((folder / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def fetch_hub(
+    repo: str,
+    folder: Path,
+    revision: str | None = None,
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] = (),
+) -> Fetched:
+    """``repo`` at ``revision`` into ``folder`` (see the module docstring). The token comes
+    from ``HF_TOKEN``, a mirror from ``HF_ENDPOINT``, as the Hub client reads them."""
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    from huggingface_hub import snapshot_download
+
+    patterns = list(include) if include else list(MODEL_FILES)
+    with _locked(folder):
+        done = fetched(folder)
+        if done is not None:
+            commit = done.get("commit")
+            return Fetched(folder, commit if isinstance(commit, str) else None, False)
+        print(f"downloading hf://{repo} into {folder}", file=sys.stderr, flush=True)
+        try:
+            path = snapshot_download(
+                repo,
+                revision=revision,
+                local_dir=folder,
+                allow_patterns=patterns,
+                ignore_patterns=list(exclude) or None,
+            )
+        except Exception as exc:  # the Hub client's errors share no base class but Exception
+            text = str(exc).splitlines()[0] if str(exc) else ""
+            hint = ""
+            if "401" in text or "403" in text or "gated" in text.lower():
+                hint = " (a gated or private model: set HF_TOKEN, the credentials Secret)"
+            raise FetchError(f"hf://{repo}: {type(exc).__name__}: {text}{hint}") from None
+        if not any(Path(path).glob("*.json")):
+            raise FetchError(
+                f"hf://{repo}: nothing matched {', '.join(patterns)}"
+                + (f" minus {', '.join(exclude)}" if exclude else "")
+            )
+        commit = _commit(folder)
+        marker = {"repo": repo, "revision": revision, "commit": commit, "include": patterns}
+        (folder / MARKER).write_text(json.dumps({**marker, "exclude": list(exclude)}))
+        return Fetched(folder, commit, True)
+
+
+def _commit(folder: Path) -> str | None:
+    """The commit the Hub client recorded for the files it wrote (its local-dir metadata)."""
+    for meta in sorted((folder / ".cache" / "huggingface" / "download").rglob("*.metadata")):
+        first = meta.read_text(encoding="utf-8", errors="replace").splitlines()[:1]
+        if first and len(first[0]) == 40:
+            return first[0]
+    return None
