@@ -51,6 +51,27 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: operator
 {{- end }}
 
+{{/* Labels of the monitoring objects: PodMonitor, PrometheusRule, dashboard ConfigMap. */}}
+{{- define "brook.monitoring.labels" -}}
+helm.sh/chart: {{ include "brook.chart" . }}
+app.kubernetes.io/name: {{ include "brook.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: monitoring
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: brook
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/*
+PromQL label matchers of the engine series that the PodMonitor scrapes: its job and, in
+rbac.scope "namespace", the watched namespaces only, so that two releases of the chart (each
+watching its own namespaces) never alert twice on one engine.
+*/}}
+{{- define "brook.rules.engineMatchers" -}}
+job="brook-engine"
+{{- with include "brook.watchNamespaces" . | fromJsonArray }}, namespace=~"{{ join "|" . }}"{{ end }}
+{{- end }}
+
 {{/* The operator's ServiceAccount. */}}
 {{- define "brook.operator.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
@@ -90,6 +111,10 @@ watches all), else rbac.watchNamespaces or, when that is empty, the release name
 {{- define "brook.validate" -}}
 {{- if and (eq .Values.rbac.scope "cluster") .Values.rbac.watchNamespaces }}
 {{- fail "rbac.watchNamespaces is set but rbac.scope is \"cluster\" (every namespace): set rbac.scope to \"namespace\", or empty rbac.watchNamespaces" }}
+{{- end }}
+{{- $burn := .Values.prometheusRule.ttftSLOBurn }}
+{{- if and .Values.prometheusRule.enabled $burn.enabled (ge (mulf $burn.burnRate (subf 1 $burn.objective)) 1.0) }}
+{{- fail (printf "prometheusRule.ttftSLOBurn: burnRate %v x (1 - objective %v) is at least 1, so the alert could never fire: lower burnRate" $burn.burnRate $burn.objective) }}
 {{- end }}
 {{- if eq (int .Values.metrics.port) (int .Values.health.port) }}
 {{- fail (printf "metrics.port and health.port are both %v: give them different ports" .Values.metrics.port) }}

@@ -42,6 +42,10 @@ WATCHED = ["team-a", "team-b"]
 NON_DEFAULT: dict[str, Any] = {
     "rbac": {"scope": "namespace", "watchNamespaces": WATCHED},
     "serviceMonitor": {"enabled": True, "interval": "15s", "labels": {"release": "kps"}},
+    # The observability pack (test_observability_pack.py checks what it holds).
+    "podMonitor": {"enabled": True, "labels": {"release": "kps"}},
+    "prometheusRule": {"enabled": True, "labels": {"release": "kps"}},
+    "grafanaDashboard": {"enabled": True},
     "networkPolicy": {
         "enabled": True,
         "ingressFrom": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}],
@@ -513,6 +517,13 @@ def test_schema_is_draft_07_and_accepts_the_defaults(chart: helm.Chart) -> None:
         ({"metrics": {"port": 70000}}, "/metrics/port"),
         ({"serviceMonitor": {"interval": "soon"}}, "/serviceMonitor/interval"),
         ({"rbac": {"scope": "namespace", "watchNamespaces": ["Team_A"]}}, "/watchNamespaces/0"),
+        ({"podMonitor": {"interval": "often"}}, "/podMonitor/interval"),
+        ({"prometheusRule": {"ttftSLOBurn": {"thresholdSeconds": 3}}}, "/thresholdSeconds"),
+        ({"prometheusRule": {"ttftSLOBurn": {"objective": 1}}}, "/objective"),
+        ({"prometheusRule": {"kvCacheSaturated": {"threshold": 1.5}}}, "/threshold"),
+        ({"prometheusRule": {"queuePersistent": {"severity": "page"}}}, "/severity"),
+        ({"prometheusRule": {"replicasNotReady": {"fr": "5m"}}}, "'fr'"),
+        ({"grafanaDashboard": {"label": "not a label"}}, "/grafanaDashboard/label"),
     ],
 )
 def test_schema_rejects_bad_values(chart: helm.Chart, values: dict[str, Any], named: str) -> None:

@@ -102,7 +102,7 @@ def test_cel_rules_only_name_fields_that_exist(schema: dict[str, Any]) -> None:
             for ref in re.findall(r"self((?:\.[A-Za-z_]\w*)+)", rule["rule"]):
                 fields = ref.lstrip(".")
                 # Calls like .size() / .matches() / .all() end the field chain.
-                chain = re.sub(r"\.(size|matches|all|exists|filter)$", "", fields)
+                chain = re.sub(r"\.(size|matches|all|exists|filter|startsWith)$", "", fields)
                 if path == "" and chain.startswith("metadata."):
                     continue
                 assert _field_exists(node, chain), f"{path}: {rule['rule']} names {chain}"
