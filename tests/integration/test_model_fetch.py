@@ -57,7 +57,16 @@ def test_two_replicas_share_one_download(
         out, err = again.communicate(timeout=120)
         assert again.returncode == 0 and "already complete" in out, err
         assert len(stand_in.paths) == asked
-    assert (shared / "config.json").is_file() and not (shared / "model-q4.gguf").exists()
+        # other patterns are another file set: the folder is completed for them
+        other = _fetch(stand_in.url, shared, "--include=*.json", "--include=*.gguf")
+        out, err = other.communicate(timeout=120)
+        assert other.returncode == 0 and "downloaded" in out, err
+        assert (shared / "model-q4.gguf").exists()
+        assert json.loads((shared / ".brook-fetched.json").read_text())["include"] == [
+            "*.json",
+            "*.gguf",
+        ]
+    assert (shared / "config.json").is_file()
 
 
 def test_a_missing_repository_fails_naming_it(tmp_path: Path) -> None:

@@ -70,40 +70,50 @@ def fetch_hub(
     exclude: Sequence[str] = (),
 ) -> Fetched:
     """``repo`` at ``revision`` into ``folder`` (see the module docstring). The token comes
-    from ``HF_TOKEN``, a mirror from ``HF_ENDPOINT``, as the Hub client reads them."""
+    from ``HF_TOKEN``, a mirror from ``HF_ENDPOINT``, as the Hub client reads them. A folder
+    complete for other patterns or another revision is completed for these."""
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     from huggingface_hub import snapshot_download
 
     patterns = list(include) if include else list(MODEL_FILES)
-    with _locked(folder):
-        done = fetched(folder)
-        if done is not None:
-            commit = done.get("commit")
-            return Fetched(folder, commit if isinstance(commit, str) else None, False)
-        print(f"downloading hf://{repo} into {folder}", file=sys.stderr, flush=True)
-        try:
-            path = snapshot_download(
-                repo,
-                revision=revision,
-                local_dir=folder,
-                allow_patterns=patterns,
-                ignore_patterns=list(exclude) or None,
-            )
-        except Exception as exc:  # the Hub client's errors share no base class but Exception
-            text = str(exc).splitlines()[0] if str(exc) else ""
-            hint = ""
-            if "401" in text or "403" in text or "gated" in text.lower():
-                hint = " (a gated or private model: set HF_TOKEN, the credentials Secret)"
-            raise FetchError(f"hf://{repo}: {type(exc).__name__}: {text}{hint}") from None
-        if not any(Path(path).glob("*.json")):
-            raise FetchError(
-                f"hf://{repo}: nothing matched {', '.join(patterns)}"
-                + (f" minus {', '.join(exclude)}" if exclude else "")
-            )
-        commit = _commit(folder)
-        marker = {"repo": repo, "revision": revision, "commit": commit, "include": patterns}
-        (folder / MARKER).write_text(json.dumps({**marker, "exclude": list(exclude)}))
-        return Fetched(folder, commit, True)
+    wanted = {"repo": repo, "revision": revision, "include": patterns, "exclude": list(exclude)}
+    try:
+        with _locked(folder):
+            done = fetched(folder)
+            if done is not None and all(done.get(k) == v for k, v in wanted.items()):
+                commit = done.get("commit")
+                return Fetched(folder, commit if isinstance(commit, str) else None, False)
+            print(f"downloading hf://{repo} into {folder}", file=sys.stderr, flush=True)
+            try:
+                snapshot_download(
+                    repo,
+                    revision=revision,
+                    local_dir=folder,
+                    allow_patterns=patterns,
+                    ignore_patterns=list(exclude) or None,
+                )
+            except Exception as exc:  # the Hub client's errors share no base but Exception
+                text = str(exc).splitlines()[0] if str(exc) else ""
+                hint = ""
+                if "401" in text or "403" in text or "gated" in text.lower():
+                    hint = " (a gated or private model: set HF_TOKEN, the credentials Secret)"
+                raise FetchError(f"hf://{repo}: {type(exc).__name__}: {text}{hint}") from None
+            if not any(p.is_file() for p in folder.iterdir() if not p.name.startswith(".")):
+                raise FetchError(
+                    f"hf://{repo}: no file matched {', '.join(patterns)}"
+                    + (f" minus {', '.join(exclude)}" if exclude else "")
+                )
+            commit = _commit(folder)
+            partial = folder / (MARKER + ".tmp")
+            partial.write_text(json.dumps({**wanted, "commit": commit}), encoding="utf-8")
+            os.replace(partial, folder / MARKER)  # the marker appears whole or not at all
+            return Fetched(folder, commit, True)
+    except PermissionError as exc:
+        raise FetchError(
+            f"{folder}: {exc.strerror} for uid {os.getuid()} gid {os.getgid()}: the model "
+            "volume must be writable by the engine's user (a shared claim: an export that "
+            "maps writes to that user, or a group-writable folder; see docs/operator.md)"
+        ) from None
 
 
 def _commit(folder: Path) -> str | None:

@@ -237,6 +237,8 @@ class EngineMetrics:
             [names.VLLM_MODEL_LABEL, "finished_reason"],
             registry=registry,
         )
+        for reason in names.FINISH_REASONS:  # present from the start, as vLLM's are
+            self.vllm_requests.labels(model[names.VLLM_MODEL_LABEL], reason)
         self.vllm_counters = {
             "num_prompt_tokens_total": vllm_counter(
                 names.VLLM_PROMPT_TOKENS_TOTAL, "Prompt tokens received (vLLM name)."

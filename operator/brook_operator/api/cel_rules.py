@@ -77,7 +77,8 @@ CEL_RULES: dict[type[BaseModel], list[Rule]] = {
         ),
         Rule(
             "!has(self.pod) || !has(self.shapes.cacheDir) || "
-            "self.pod.volumeMounts.all(m, m.mountPath != self.shapes.cacheDir)",
+            "self.pod.volumeMounts.all(m, !(m.mountPath in "
+            "[self.shapes.cacheDir, self.shapes.cacheDir + '/']))",
             "pod.volumeMounts: shapes.cacheDir is where the operator mounts the compile cache; "
             "mount elsewhere",
             ".pod.volumeMounts",
@@ -258,12 +259,12 @@ CEL_RULES: dict[type[BaseModel], list[Rule]] = {
             ".env",
         ),
         Rule(
-            f"self.volumes.all(v, has(v.name) && !(v.name in {_cel_list(OPERATOR_VOLUMES)}))",
+            f"self.volumes.all(v, !(v.name in {_cel_list(OPERATOR_VOLUMES)}))",
             f"each volume needs a name other than the operator's ({', '.join(OPERATOR_VOLUMES)})",
             ".volumes",
         ),
         Rule(
-            "self.volumeMounts.all(m, self.volumes.exists(v, has(v.name) && v.name == m.name))",
+            "self.volumeMounts.all(m, self.volumes.exists(v, v.name == m.name))",
             "each mount names one of pod.volumes",
             ".volumeMounts",
         ),
@@ -276,18 +277,26 @@ CEL_RULES: dict[type[BaseModel], list[Rule]] = {
             ".volumeMounts",
         ),
         Rule(
-            f"self.initContainers.all(c, has(c.name) && has(c.image) && "
-            f"!(c.name in {_cel_list(OPERATOR_CONTAINERS)}))",
+            f"self.initContainers.all(c, !(c.name in {_cel_list(OPERATOR_CONTAINERS)}))",
             f"each container needs a name other than the operator's "
-            f"({', '.join(OPERATOR_CONTAINERS)}) and an image",
+            f"({', '.join(OPERATOR_CONTAINERS)})",
             ".initContainers",
         ),
         Rule(
-            f"self.sidecars.all(c, has(c.name) && has(c.image) && "
-            f"!(c.name in {_cel_list(OPERATOR_CONTAINERS)}))",
+            f"self.sidecars.all(c, !(c.name in {_cel_list(OPERATOR_CONTAINERS)}))",
             f"each container needs a name other than the operator's "
-            f"({', '.join(OPERATOR_CONTAINERS)}) and an image",
+            f"({', '.join(OPERATOR_CONTAINERS)})",
             ".sidecars",
+        ),
+        Rule(
+            "self.sidecars.all(c, !self.initContainers.exists(i, i.name == c.name))",
+            "a pod's containers need distinct names: this one is also in initContainers",
+            ".sidecars",
+        ),
+        Rule(
+            "self.env.all(e, !(has(e.value) && has(e.valueFrom)))",
+            "set value or valueFrom, not both",
+            ".env",
         ),
         Rule(
             "self.labels.all(k, "

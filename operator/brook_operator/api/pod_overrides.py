@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from brook_engine.config import Section
 from brook_operator.api.kube import DNS_LABEL, DNS_SUBDOMAIN, LABEL_VALUE
@@ -22,12 +22,37 @@ from brook_operator.api.kube import DNS_LABEL, DNS_SUBDOMAIN, LABEL_VALUE
 #: A Kubernetes object of a kind the API server validates when the workload is applied.
 KubeObject = dict[str, Any]
 EnvFromSource = Annotated[KubeObject, Field(description="A Kubernetes EnvFromSource.")]
-Volume = Annotated[KubeObject, Field(description="A Kubernetes Volume.")]
-Container = Annotated[KubeObject, Field(description="A Kubernetes Container.")]
 SpreadConstraint = Annotated[
     KubeObject, Field(description="A Kubernetes TopologySpreadConstraint.")
 ]
 HostAlias = Annotated[KubeObject, Field(description="A Kubernetes HostAlias.")]
+#: Lists the API server keeps unique by name (as it does a pod's own).
+_BY_NAME: dict[str, Any] = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]}
+
+
+class _PassedThrough(Section):
+    """A Kubernetes object passed through as written, but for the fields declared here:
+    those the operator checks (and the API server's CEL rules can read)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class Volume(_PassedThrough):
+    """A Kubernetes Volume (any source: hostPath, persistentVolumeClaim, secret, ...)."""
+
+    name: str = Field(min_length=1, max_length=63, pattern=DNS_LABEL)
+    """The volume's name, unique in the pod."""
+
+
+class Container(_PassedThrough):
+    """A Kubernetes Container."""
+
+    name: str = Field(min_length=1, max_length=63, pattern=DNS_LABEL)
+    """The container's name, unique in the pod."""
+
+    image: str = Field(min_length=1, max_length=1024)
+    """Its image."""
+
 
 #: Environment the operator sets on the engine container (and every BROOK_* name).
 OPERATOR_ENV = (
@@ -123,24 +148,28 @@ class PodOverrides(Section):
     runtime_class_name: str | None = Field(default=None, max_length=253, pattern=DNS_SUBDOMAIN)
     """RuntimeClass of the pods (a device runtime, a sandbox)."""
 
-    env: list[EnvVar] = Field(default_factory=list, max_length=64)
+    env: list[EnvVar] = Field(default_factory=list, max_length=64, json_schema_extra=_BY_NAME)
     """Added to the engine container's environment (driver paths, a model mirror,
     ASCEND_* or NCCL_* settings); the operator's names and BROOK_* are refused."""
 
     env_from: list[EnvFromSource] = Field(default_factory=list, max_length=16)
     """Kubernetes EnvFromSources (a Secret or ConfigMap's keys) of the engine container."""
 
-    volumes: list[Volume] = Field(default_factory=list, max_length=32)
+    volumes: list[Volume] = Field(default_factory=list, max_length=32, json_schema_extra=_BY_NAME)
     """Kubernetes Volumes added to the pods (driver host paths, a shared model cache, a
     credentials Secret); each needs a name the operator's volumes do not use."""
 
     volume_mounts: list[VolumeMount] = Field(default_factory=list, max_length=32)
     """Mounts of ``volumes`` in the engine container, away from the operator's paths."""
 
-    init_containers: list[Container] = Field(default_factory=list, max_length=8)
+    init_containers: list[Container] = Field(
+        default_factory=list, max_length=8, json_schema_extra=_BY_NAME
+    )
     """Kubernetes Containers run before the engine, after the operator's model download."""
 
-    sidecars: list[Container] = Field(default_factory=list, max_length=8)
+    sidecars: list[Container] = Field(
+        default_factory=list, max_length=8, json_schema_extra=_BY_NAME
+    )
     """Kubernetes Containers run beside the engine in every pod (the pods run as non-root
     with the restricted profile's pod security context: a sidecar must too)."""
 
@@ -151,22 +180,20 @@ class PodOverrides(Section):
     """Kubernetes HostAliases (/etc/hosts entries) of the pods."""
 
 
-def _named(items: list[KubeObject], where: str, forbidden: tuple[str, ...]) -> list[str]:
+def _named(
+    items: list[Volume] | list[Container], where: str, forbidden: tuple[str, ...]
+) -> list[str]:
     problems = []
     seen: set[str] = set()
-    for index, item in enumerate(items):
-        name = item.get("name")
-        if not isinstance(name, str) or not name:
-            problems.append(f"pod.{where}: item {index} needs a name")
-        elif name in forbidden:
+    for item in items:
+        if item.name in forbidden:
             problems.append(
-                f"pod.{where}: {name!r} is the operator's; choose another name "
+                f"pod.{where}: {item.name!r} is the operator's; choose another name "
                 f"(the operator's: {', '.join(forbidden)})"
             )
-        elif name in seen:
-            problems.append(f"pod.{where}: {name!r} is named twice")
-        else:
-            seen.add(name)
+        elif item.name in seen:
+            problems.append(f"pod.{where}: {item.name!r} is named twice")
+        seen.add(item.name)
     return problems
 
 
@@ -182,12 +209,15 @@ def pod_problems(pod: PodOverrides) -> list[str]:
         if var.value is not None and var.value_from is not None:
             problems.append(f"pod.env: {var.name}: set value or valueFrom, not both")
     problems += _named(pod.volumes, "volumes", OPERATOR_VOLUMES)
-    for where, containers in (("initContainers", pod.init_containers), ("sidecars", pod.sidecars)):
-        problems += _named(containers, where, OPERATOR_CONTAINERS)
-        for index, container in enumerate(containers):
-            if not container.get("image"):
-                problems.append(f"pod.{where}: item {index} needs an image")
-    names = {str(v.get("name")) for v in pod.volumes}
+    problems += _named(pod.init_containers, "initContainers", OPERATOR_CONTAINERS)
+    problems += _named(pod.sidecars, "sidecars", OPERATOR_CONTAINERS)
+    both = {c.name for c in pod.init_containers} & {c.name for c in pod.sidecars}
+    if both:
+        problems.append(
+            f"pod.sidecars: {', '.join(sorted(both))} also named in pod.initContainers; "
+            "a pod's containers need distinct names"
+        )
+    names = {v.name for v in pod.volumes}
     for mount in pod.volume_mounts:
         if mount.name not in names:
             problems.append(

@@ -264,7 +264,7 @@ def spec_problems(spec: LLMInferenceSpec) -> list[str]:
         problems += pod_problems(spec.pod)
         cache = spec.shapes.cache_dir
         for mount in spec.pod.volume_mounts:
-            if cache and mount.mount_path.rstrip("/") == cache.rstrip("/"):
+            if cache and mount.mount_path in (cache, cache + "/"):
                 problems.append(
                     f"pod.volumeMounts: {mount.mount_path} is shapes.cacheDir, where the "
                     "operator mounts the compile cache; mount elsewhere"

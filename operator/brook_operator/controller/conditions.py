@@ -20,7 +20,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from brook_operator.api import LLMInference, topology
-from brook_operator.controller.pod_reasons import PodProblem
+from brook_operator.controller.pod_reasons import PodProblem, workload_problems
 from brook_operator.render import ROLE_LABEL, endpoint, selector_labels
 from brook_operator.render.workload import LWS_GROUP
 
@@ -170,7 +170,8 @@ def compute_status(
         conditions.append(condition("Degraded", True, "ApplyFailed", observed.error))
     else:
         conditions.append(condition("Degraded", False, "AsExpected", "children applied"))
-    fatal = [p for p in observed.pod_problems if p.fatal]
+    problems = (*workload_problems(observed.workload), *observed.pod_problems)
+    fatal = [p for p in problems if p.fatal]
     if llmi.spec.suspend:
         conditions.append(condition("Ready", False, "Suspended", "spec.suspend is true"))
     elif desired > 0 and ready >= desired:
@@ -178,7 +179,7 @@ def compute_status(
             condition("Ready", True, "ReplicasReady", f"{ready}/{desired} replicas ready")
         )
     else:
-        reason, message = _not_ready(observed.pod_problems, ready, desired)
+        reason, message = _not_ready(problems, ready, desired)
         conditions.append(condition("Ready", False, reason, message))
     rolling = observed.workload is not None and (
         not synced or updated < desired or ready < desired or replicas > desired
@@ -188,7 +189,8 @@ def compute_status(
         conditions.append(condition("Progressing", True, "RollingOut", message))
     else:
         conditions.append(condition("Progressing", False, "Complete", "no rollout in progress"))
-    settled = llmi.spec.suspend or ready >= desired
+    # a rollout is not done while old pods still answer for the new generation
+    settled = llmi.spec.suspend or (ready >= desired and not rolling)
     conditions += _kstatus(conditions, fatal, settled, condition)
     selector = {**selector_labels(llmi), ROLE_LABEL: "leader"}
     status: dict[str, Any] = {
@@ -242,5 +244,7 @@ def _kstatus(
     elif stalled["status"] == "True":
         reconciling = condition("Reconciling", False, "Stalled", "see Stalled")
     else:
-        reconciling = condition("Reconciling", True, str(ready["reason"]), str(ready["message"]))
+        # why not yet: the replicas not ready, or else the rollout replacing them
+        cause = ready if ready["status"] != "True" else by_type["Progressing"]
+        reconciling = condition("Reconciling", True, str(cause["reason"]), str(cause["message"]))
     return [stalled, reconciling]

@@ -6,18 +6,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-#: Waiting reasons that do not clear without a change (kubelet's names).
+#: Waiting reasons that do not clear without a change (kubelet's names). A first
+#: ErrImagePull may be a registry's hiccup: the kubelet's back-off after it is the verdict.
 FATAL_REASONS = frozenset(
     {
         "ImagePullBackOff",
-        "ErrImagePull",
         "ErrImageNeverPull",
         "InvalidImageName",
         "CrashLoopBackOff",
         "CreateContainerConfigError",
         "CreateContainerError",
+        "RestartingOnErrors",
+        "FailedCreate",
     }
 )
+#: Restarts after errors that make a running container's history a crash loop: a model that
+#: loads for longer than the kubelet's back-off spends most of a crash loop running.
+CRASH_LOOP_RESTARTS = 3
 
 
 @dataclass(frozen=True)
@@ -27,8 +32,12 @@ class PodProblem:
     reason: str
     message: str
 
+    kind: str = "pod"
+    """What ``pod`` names: a pod, or the workload that could not create its pods."""
+
     def __str__(self) -> str:
-        where = f"pod {self.pod}" + (f" container {self.container}" if self.container else "")
+        where = f"{self.kind} {self.pod}"
+        where += f" container {self.container}" if self.container else ""
         return f"{where}: {self.reason}" + (f" ({self.message})" if self.message else "")
 
     @property
@@ -68,7 +77,28 @@ def pod_problems(pod: dict[str, Any]) -> list[PodProblem]:
                         _termination(terminated),
                     )
                 )
+            elif last and last.get("exitCode", 0) != 0 and container.get("restartCount", 0):
+                restarts = int(container["restartCount"])
+                reason = "RestartingOnErrors" if restarts >= CRASH_LOOP_RESTARTS else "Restarted"
+                message = f"{restarts} restart(s); last {_termination(last)}"
+                problems.append(PodProblem(name, cname, reason, message))
     return problems
+
+
+def workload_problems(workload: dict[str, Any] | None) -> list[PodProblem]:
+    """Pods the workload could not create (admission refused them: Pod Security, a quota),
+    from the ReplicaFailure condition a Deployment reports."""
+    if not workload:
+        return []
+    name = str((workload.get("metadata") or {}).get("name", "?"))
+    kind = str(workload.get("kind") or "workload").lower()
+    return [
+        PodProblem(
+            name, None, str(c.get("reason") or "FailedCreate"), str(c.get("message") or ""), kind
+        )
+        for c in (workload.get("status") or {}).get("conditions") or []
+        if c.get("type") == "ReplicaFailure" and c.get("status") == "True"
+    ]
 
 
 def _termination(terminated: dict[str, Any]) -> str:

@@ -14,6 +14,9 @@ local folder the engine then loads.
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +26,7 @@ from brook_operator.render.settings import OperatorSettings
 
 MODELS_DIR = "/models"
 MODEL_VOLUME = "model"
+FETCH_CONTAINER = "fetch-model"
 _CREDENTIALS_VOLUME = "model-credentials"
 _CREDENTIALS_DIR = "/var/run/secrets/brook/model-credentials"
 
@@ -105,7 +109,10 @@ def model_source(spec: LLMInferenceSpec, settings: OperatorSettings) -> ModelSou
     secret_mount = False
     if scheme == "hf":
         if spec.model.cache is not None:
-            local = f"{MODELS_DIR}/{cache_folder(rest, spec.model.revision)}"
+            folder = cache_folder(
+                rest, spec.model.revision, spec.model.include, list(spec.model.exclude)
+            )
+            local = f"{MODELS_DIR}/{folder}"
             shared = {"claimName": spec.model.cache.claim_name}
             volumes = [{"name": MODEL_VOLUME, "persistentVolumeClaim": shared}]
             env = [{"name": "HOME", "value": "/tmp"}]  # not the shared claim
@@ -121,7 +128,7 @@ def model_source(spec: LLMInferenceSpec, settings: OperatorSettings) -> ModelSou
                     "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
                 }
             )
-        init = _fetch_container("fetch-model", settings.engine_image, command, env, False)
+        init = _fetch_container(FETCH_CONTAINER, settings.engine_image, command, env, False)
         if spec.model.cache is not None:
             init["volumeMounts"].append({"name": "fetch-tmp", "mountPath": "/tmp"})
             volumes.append({"name": "fetch-tmp", "emptyDir": {}})
@@ -155,7 +162,7 @@ def model_source(spec: LLMInferenceSpec, settings: OperatorSettings) -> ModelSou
             if secret_mount:
                 command += ["--registry-config", credentials]
         image = settings.fetcher_images[scheme]
-        init = _fetch_container("fetch-model", image, command, env, secret_mount)
+        init = _fetch_container(FETCH_CONTAINER, image, command, env, secret_mount)
     return ModelSource(
         local_path=local,
         volumes=volumes,
@@ -164,9 +171,22 @@ def model_source(spec: LLMInferenceSpec, settings: OperatorSettings) -> ModelSou
     )
 
 
-def cache_folder(repo: str, revision: str | None) -> str:
-    """The shared claim's folder of ``repo`` at ``revision``: one per model and revision, a
-    readable name (``Qwen--Qwen2.5-7B@main``)."""
-    safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in repo.replace("/", "--"))
-    rev = "".join(c if c.isalnum() or c in "-_." else "-" for c in (revision or "main"))
-    return f"{safe}@{rev}"
+def cache_folder(
+    repo: str,
+    revision: str | None,
+    include: list[str] | None = None,
+    exclude: Sequence[str] = (),
+) -> str:
+    """The shared claim's folder of ``repo`` at ``revision`` with these file patterns: a
+    readable name (``Qwen--Qwen2.5-7B@main``), with a short digest where the revision had to
+    be spelled differently or the patterns are not the default, so no two differ only there."""
+
+    def safe(text: str) -> str:
+        return "".join(c if c.isalnum() or c in "-_." else "-" for c in text)
+
+    rev = revision or "main"
+    name = f"{safe(repo.replace('/', '--'))}@{safe(rev)}"
+    if safe(rev) != rev or include is not None or exclude:
+        key = json.dumps([rev, include, list(exclude)])
+        name += "-" + hashlib.sha256(key.encode()).hexdigest()[:8]
+    return name

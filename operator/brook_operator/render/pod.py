@@ -9,10 +9,14 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from brook_operator.api import API_KEY_PATH, LLMInference, topology
-from brook_operator.api.pod_overrides import PodOverrides
+from brook_operator.api.pod_overrides import Container, PodOverrides, Volume
 from brook_operator.render.config_map import ENGINE_CONFIG_FILE, config_map_name
 from brook_operator.render.labels import ROLE_LABEL, child_labels
-from brook_operator.render.model_source import model_source, restricted_container_context
+from brook_operator.render.model_source import (
+    FETCH_CONTAINER,
+    model_source,
+    restricted_container_context,
+)
 from brook_operator.render.settings import RENDEZVOUS_PORT, OperatorSettings
 
 CONFIG_DIR = "/etc/brook"
@@ -237,7 +241,8 @@ def _add_overrides(
     pod: PodOverrides, metadata: dict[str, Any], pod_spec: dict[str, Any], engine: dict[str, Any]
 ) -> None:
     """``spec.pod`` added to the rendered pod: the validation already refused every name and
-    path the operator uses, so adding never replaces the operator's own."""
+    path the operator uses, so adding never replaces the operator's own. The environment and
+    mounts reach the model download too (a Hub mirror, a proxy, a CA bundle)."""
     if pod.labels:
         metadata["labels"] = {**pod.labels, **metadata["labels"]}
     if pod.annotations:
@@ -249,24 +254,34 @@ def _add_overrides(
         pod_spec["imagePullSecrets"] = [{"name": s.name} for s in pod.image_pull_secrets]
     if pod.runtime_class_name:
         pod_spec["runtimeClassName"] = pod.runtime_class_name
-    engine["env"] += [v.model_dump(by_alias=True, exclude_none=True) for v in pod.env]
-    if pod.env_from:
-        engine["envFrom"] = list(pod.env_from)
-    engine["volumeMounts"] += [
+    env = [v.model_dump(by_alias=True, exclude_none=True) for v in pod.env]
+    mounts = [
         m.model_dump(by_alias=True, exclude_none=True, exclude_defaults=True)
         | {"name": m.name, "mountPath": m.mount_path}
         for m in pod.volume_mounts
     ]
-    pod_spec["volumes"] += list(pod.volumes)
+    fetch = [c for c in pod_spec.get("initContainers", []) if c["name"] == FETCH_CONTAINER]
+    for container in [engine, *fetch]:
+        container["env"] = [*container.get("env", []), *env]
+        if pod.env_from:
+            container["envFrom"] = list(pod.env_from)
+        container["volumeMounts"] = [*container.get("volumeMounts", []), *mounts]
+    pod_spec["volumes"] += [_passed(v) for v in pod.volumes]
     if pod.init_containers:
-        pod_spec["initContainers"] = [*pod_spec.get("initContainers", []), *pod.init_containers]
-    pod_spec["containers"] += list(pod.sidecars)
+        extra = [_passed(c) for c in pod.init_containers]
+        pod_spec["initContainers"] = [*pod_spec.get("initContainers", []), *extra]
+    pod_spec["containers"] += [_passed(c) for c in pod.sidecars]
     for key, items in (
         ("topologySpreadConstraints", pod.topology_spread_constraints),
         ("hostAliases", pod.host_aliases),
     ):
         if items:
             pod_spec[key] = list(items)
+
+
+def _passed(obj: Volume | Container) -> dict[str, Any]:
+    """A passed-through Kubernetes object as written."""
+    return obj.model_dump(by_alias=True)
 
 
 def http_port(pod: Mapping[str, Any]) -> int | None:

@@ -222,6 +222,25 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
     (
         "pod-sidecar-without-image",
         {"spec.pod": {"sidecars": [{"name": "proxy"}]}},
+        "spec.pod.sidecars[0].image",
+    ),
+    (
+        "pod-env-value-and-value-from",
+        {
+            "spec.pod": {
+                "env": [{"name": "X", "value": "1", "valueFrom": {"fieldRef": {"fieldPath": "x"}}}]
+            }
+        },
+        "spec.pod.env",
+    ),
+    (
+        "pod-container-in-both-lists",
+        {
+            "spec.pod": {
+                "initContainers": [{"name": "prep", "image": "busybox"}],
+                "sidecars": [{"name": "prep", "image": "busybox"}],
+            }
+        },
         "spec.pod.sidecars",
     ),
     (

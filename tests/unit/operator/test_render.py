@@ -235,6 +235,7 @@ def test_model_sources_mount_or_fetch_and_the_engine_reads_the_local_folder(
 
 def test_downloads_take_what_the_engine_reads_and_a_shared_cache_is_filled_once() -> None:
     from brook_engine.config import MODEL_FILES
+    from brook_operator.render.model_source import cache_folder
 
     llmi = _llmi("qwen-7b-autoscaled")  # hf://Qwen/Qwen2.5-7B-Instruct
     spec = _by_kind(render_children(llmi, SETTINGS))["Deployment"]["spec"]["template"]["spec"]
@@ -256,8 +257,13 @@ def test_downloads_take_what_the_engine_reads_and_a_shared_cache_is_filled_once(
     children = _by_kind(render_children(cached, SETTINGS))
     spec = children["Deployment"]["spec"]["template"]["spec"]
     (fetch,) = spec["initContainers"]
-    folder = "/models/Qwen--Qwen2.5-7B-Instruct@v1.2"
+    folder = "/models/" + cache_folder("Qwen/Qwen2.5-7B-Instruct", "v1.2", None, ["*onnx*"])
+    assert folder.startswith("/models/Qwen--Qwen2.5-7B-Instruct@v1.2-")  # + the patterns' key
     assert fetch["command"][3:5] == ["--output", folder]
+    # one folder per model, revision and file set: none shared by two that differ
+    assert cache_folder("org/m", "main") == "org--m@main"
+    assert cache_folder("org/m", "refs/pr/1") != cache_folder("org/m", "refs-pr-1")
+    assert cache_folder("org/m", "main", ["*.json"]) != cache_folder("org/m", "main")
     assert "--revision" in fetch["command"] and "--exclude=*onnx*" in fetch["command"]
     model = next(v for v in spec["volumes"] if v["name"] == "model")
     assert model == {"name": "model", "persistentVolumeClaim": {"claimName": "model-cache"}}
@@ -305,7 +311,7 @@ def test_what_spec_pod_may_not_name_covers_all_the_operator_renders(path: Path) 
     llmi = _llmi(path.stem)
     workload = _by_kind(render_children(llmi, SETTINGS))
     workload = workload.get("Deployment") or workload["LeaderWorkerSet"]
-    own = {v["name"] for v in (llmi.spec.pod.volumes if llmi.spec.pod else [])}
+    own = {v.name for v in (llmi.spec.pod.volumes if llmi.spec.pod else [])}
     own_mounts = {m.mount_path for m in (llmi.spec.pod.volume_mounts if llmi.spec.pod else [])}
     for template in _pod_templates(workload).values():
         spec = template["spec"]
@@ -360,3 +366,11 @@ def test_spec_pod_reaches_every_pod_of_a_multi_pod_replica() -> None:
         names = [v["name"] for v in engine["env"]]
         assert names.count("MASTER_ADDR") == 1
         assert engine["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def test_spec_pod_env_reaches_the_model_download() -> None:
+    mirror = {"name": "HF_ENDPOINT", "value": "https://hub-mirror.example"}
+    llmi = _llmi("qwen-7b-autoscaled", pod={"env": [mirror]})  # hf://: a fetch-model container
+    spec = _by_kind(render_children(llmi, SETTINGS))["Deployment"]["spec"]["template"]["spec"]
+    (fetch,) = spec["initContainers"]
+    assert mirror in fetch["env"] and mirror in spec["containers"][0]["env"]

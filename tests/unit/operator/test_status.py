@@ -186,3 +186,61 @@ def test_an_invalid_spec_is_stalled() -> None:
     assert conditions["Stalled"]["status"] == "True"
     assert conditions["Stalled"]["reason"] == "InvalidSpec"
     assert conditions["Reconciling"]["status"] == "False"
+
+
+def test_reconciling_lasts_until_the_rollout_replaced_every_replica() -> None:
+    # the spec changed (workload generation 3, its controller has seen 2): the old pods
+    # still answer, but the new generation is not rolled out
+    rolling = _deployment(3, 2, replicas=3, readyReplicas=3, updatedReplicas=0)
+    conditions = _conditions(compute_status(_llmi(), Observed(rolling, 3), None, now="T1"))
+    assert conditions["Progressing"]["status"] == "True"
+    assert conditions["Reconciling"]["status"] == "True"
+    assert conditions["Reconciling"]["reason"] == "RollingOut"
+    done = _deployment(3, 3, replicas=3, readyReplicas=3, updatedReplicas=3)
+    conditions = _conditions(compute_status(_llmi(), Observed(done, 3), None, now="T1"))
+    assert conditions["Reconciling"]["status"] == "False"
+
+
+def test_a_crash_loop_seen_while_running_and_pods_never_created_are_reasons() -> None:
+    from brook_operator.controller.pod_reasons import pod_problems
+
+    # a model that loads for longer than the back-off: running now, three failed starts
+    loading = _problem_pod(
+        "tiny-cpu-a",
+        containerStatuses=[
+            {
+                "name": "engine",
+                "restartCount": 3,
+                "state": {"running": {}},
+                "lastState": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}},
+            }
+        ],
+    )
+    [problem] = pod_problems(loading)
+    assert problem.reason == "RestartingOnErrors" and problem.fatal
+    assert "3 restart(s); last exit code 137" in problem.message
+    # a first image pull error may be a registry's hiccup: a reason, not a verdict
+    pulling = _problem_pod(
+        "tiny-cpu-b",
+        containerStatuses=[{"name": "engine", "state": {"waiting": {"reason": "ErrImagePull"}}}],
+    )
+    [problem] = pod_problems(pulling)
+    assert problem.reason == "ErrImagePull" and not problem.fatal
+    # admission refused the pods: the Deployment's ReplicaFailure names why
+    refused = _deployment(2, 2, replicas=0, readyReplicas=0, updatedReplicas=0)
+    refused |= {"kind": "Deployment", "metadata": {"name": "tiny-cpu", "generation": 2}}
+    refused["status"]["conditions"] = [
+        {
+            "type": "ReplicaFailure",
+            "status": "True",
+            "reason": "FailedCreate",
+            "message": 'pods "tiny-cpu-x" is forbidden: violates PodSecurity "restricted"',
+        }
+    ]
+    conditions = _conditions(compute_status(_llmi(), Observed(refused, 1), None, now="T1"))
+    assert conditions["Ready"]["reason"] == "FailedCreate"
+    assert (
+        'deployment tiny-cpu: FailedCreate (pods "tiny-cpu-x" is forbidden'
+        in (conditions["Ready"]["message"])
+    )
+    assert conditions["Stalled"]["status"] == "True"
