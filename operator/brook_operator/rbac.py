@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from brook_operator.api import GROUP, PLURAL
+from brook_operator.api.router import GATEWAY_GROUP, INFERENCE_GROUP
 from brook_operator.render.workload import LWS_GROUP
 
 #: A child is read first (Brook writes only objects it owns), then server-side applied:
@@ -18,6 +19,7 @@ APPLY_VERBS = ("get", "create", "patch")
 #: The workload also has its status read, its events followed (kopf lists and watches it)
 #: and is deleted when the topology changes kind (Deployment ↔ LeaderWorkerSet).
 WORKLOAD_VERBS = ("get", "list", "watch", "create", "patch", "delete")
+ROUTER_VERBS = ("get", "list", "create", "patch", "delete")
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,9 @@ NAMESPACED_RULES: tuple[Rule, ...] = (
     Rule("networking.k8s.io", ("networkpolicies",), APPLY_VERBS),
     Rule("apps", ("deployments",), WORKLOAD_VERBS),
     Rule(LWS_GROUP, ("leaderworkersets",), WORKLOAD_VERBS),
+    # spec.router's children, pruned (listed, deleted) when the router goes.
+    Rule(INFERENCE_GROUP, ("inferencepools",), ROUTER_VERBS),
+    Rule(GATEWAY_GROUP, ("httproutes",), ROUTER_VERBS),
     # The autoscaler lists the leader pods to scrape their /metrics, and before a scale-in
     # sets each one's pod-deletion-cost so the least-loaded one goes.
     Rule("", ("pods",), ("list", "patch")),

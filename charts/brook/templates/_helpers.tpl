@@ -153,6 +153,13 @@ compares them). Change them there first.
 - apiGroups: ["leaderworkerset.x-k8s.io"]
   resources: ["leaderworkersets"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# spec.router's children, pruned (listed, deleted) when the router goes.
+- apiGroups: ["inference.networking.k8s.io"]
+  resources: ["inferencepools"]
+  verbs: ["get", "list", "create", "patch", "delete"]
+- apiGroups: ["gateway.networking.k8s.io"]
+  resources: ["httproutes"]
+  verbs: ["get", "list", "create", "patch", "delete"]
 # The autoscaler lists the leader pods to scrape their /metrics, and before a scale-in
 # sets each one's pod-deletion-cost so the least-loaded one goes.
 - apiGroups: [""]

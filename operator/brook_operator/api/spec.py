@@ -27,6 +27,7 @@ from brook_operator.api.kube import (
     SecretKeyRef,
 )
 from brook_operator.api.pod_overrides import PodOverrides, pod_problems
+from brook_operator.api.router import RouterSpec
 
 #: Where the operator mounts the API key Secret in the engine container.
 API_KEY_PATH = "/var/run/secrets/brook/api-key"
@@ -200,6 +201,11 @@ class LLMInferenceSpec(EngineSections, _SpecHead):
 
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     """How spec changes roll out."""
+
+    router: RouterSpec | None = None
+    """Route through the Gateway API Inference Extension: an InferencePool of the replicas
+    (and an HTTPRoute from your Gateways) whose endpoint picker chooses a replica per request
+    from the engines' queue and KV-cache usage."""
 
     pod: PodOverrides | None = None
     """Added to every engine pod: environment, volumes and mounts, service account, image

@@ -56,6 +56,9 @@ class Observed:
     pod_problems: tuple[PodProblem, ...] = ()
     """Why engine pods are not serving, as their status says."""
 
+    missing_apis: tuple[str, ...] = ()
+    """The CRDs ``spec.router`` needs and the cluster lacks (its children are not applied)."""
+
 
 def make_condition(
     previous: dict[str, dict[str, Any]],
@@ -166,6 +169,16 @@ def compute_status(
         )
     elif observed.problem:
         conditions.append(condition("Degraded", True, *observed.problem))
+    elif observed.missing_apis:
+        conditions.append(
+            condition(
+                "Degraded",
+                True,
+                "RouterAPIMissing",
+                "spec.router needs " + " and ".join(observed.missing_apis) + "; install them "
+                "(https://gateway-api-inference-extension.sigs.k8s.io/) or remove spec.router",
+            )
+        )
     elif observed.error:
         conditions.append(condition("Degraded", True, "ApplyFailed", observed.error))
     else:

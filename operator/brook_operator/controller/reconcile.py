@@ -34,6 +34,7 @@ from brook_operator.controller.conditions import (
 from brook_operator.controller.pod_reasons import PodProblem, pod_problems
 from brook_operator.kube import STATUS_MANAGER, KubeClient, KubeError
 from brook_operator.render import (
+    OPTIONAL_KINDS,
     PRUNABLE_KINDS,
     OperatorSettings,
     desired_replicas,
@@ -41,6 +42,7 @@ from brook_operator.render import (
     with_owner,
 )
 from brook_operator.render.labels import INSTANCE_LABEL, selector_labels
+from brook_operator.render.router import router_children
 from brook_operator.render.workload import LWS_API_VERSION
 
 log = logging.getLogger(__name__)
@@ -109,6 +111,7 @@ class Reconciler:
             return ReconcileResult(status=status)
         result = ReconcileResult(status={})
         lws_missing = False
+        missing: dict[str, str] = {}
         count = autoscaled
         try:
             lws_missing = topology(
@@ -116,7 +119,8 @@ class Reconciler:
             ).workload == "LeaderWorkerSet" and not self.kube.has_api(
                 LWS_API_VERSION, "LeaderWorkerSet"
             )
-            count = self._apply(llmi, body, lws_missing, autoscaled, result)
+            missing = self.missing_apis(llmi)
+            count = self._apply(llmi, body, lws_missing, autoscaled, result, missing)
         except _Refused as refused:
             log.warning("%s/%s: %s", namespace, name, refused.message)
             result.problem = (refused.reason, refused.message)
@@ -132,6 +136,7 @@ class Reconciler:
             error=str(result.error) if result.error else None,
             problem=result.problem,
             pod_problems=self.read_pod_problems(llmi),
+            missing_apis=tuple(missing.values()),
         )
         result.status = compute_status(llmi, observed, body.get("status"))
         self._write_status(namespace, name, result.status)
@@ -175,6 +180,7 @@ class Reconciler:
             lws_missing=lws_missing,
             problem=problem,
             pod_problems=self.read_pod_problems(llmi),
+            missing_apis=tuple(self.missing_apis(llmi).values()),
         )
         status = compute_status(llmi, observed, previous)
         if _same(status, previous):
@@ -227,6 +233,16 @@ class Reconciler:
         wanted = (body.get("status") or {}).get("desiredReplicas")
         return int(wanted) if isinstance(wanted, int) else None
 
+    def missing_apis(self, llmi: LLMInference) -> dict[str, str]:
+        """The optional APIs this spec's children need and the cluster lacks: kind → what to
+        install (the InferencePool and HTTPRoute CRDs of ``spec.router``)."""
+        kinds = {c["kind"]: c["apiVersion"] for c in router_children(llmi)}
+        return {
+            kind: OPTIONAL_KINDS[(api_version, kind)]
+            for kind, api_version in kinds.items()
+            if not self.kube.has_api(api_version, kind)
+        }
+
     def _apply(
         self,
         llmi: LLMInference,
@@ -234,6 +250,7 @@ class Reconciler:
         lws_missing: bool,
         autoscaled: int | None,
         result: ReconcileResult,
+        missing: dict[str, str],
     ) -> int | None:
         """Apply the children (all or none, when one is foreign) and prune; returns the
         autoscaled count used."""
@@ -244,6 +261,7 @@ class Reconciler:
             with_owner(child, llmi)
             for child in render_children(llmi, self.settings, count)
             if not (child["kind"] == "LeaderWorkerSet" and lws_missing)
+            and child["kind"] not in missing
         ]
         for child in children:  # first every check, then every write
             if child["kind"] in _WORKLOADS:
@@ -265,6 +283,8 @@ class Reconciler:
                 lws_missing or not self.kube.has_api(LWS_API_VERSION, kind)
             ):
                 continue
+            if (api_version, kind) in OPTIONAL_KINDS and not self.kube.has_api(api_version, kind):
+                continue  # nothing of a kind the cluster does not serve
             for obj in self.kube.list(
                 api_version, kind, namespace, f"{INSTANCE_LABEL}={llmi.metadata.name}"
             ):

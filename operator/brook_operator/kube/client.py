@@ -68,6 +68,8 @@ _KINDS: dict[str, tuple[str, bool]] = {
     "LeaderWorkerSet": ("leaderworkersets", True),
     "PodDisruptionBudget": ("poddisruptionbudgets", True),
     "NetworkPolicy": ("networkpolicies", True),
+    "InferencePool": ("inferencepools", True),
+    "HTTPRoute": ("httproutes", True),
     "LLMInference": ("llminferences", True),
     "CustomResourceDefinition": ("customresourcedefinitions", False),
 }

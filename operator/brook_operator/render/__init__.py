@@ -1,6 +1,11 @@
 """Pure functions from an ``LLMInference`` to the Kubernetes objects that run it."""
 
-from brook_operator.render.children import PRUNABLE_KINDS, render_children, with_owner
+from brook_operator.render.children import (
+    OPTIONAL_KINDS,
+    PRUNABLE_KINDS,
+    render_children,
+    with_owner,
+)
 from brook_operator.render.config_map import (
     ENGINE_CONFIG_FILE,
     config_map_name,
@@ -14,6 +19,7 @@ from brook_operator.render.workload import desired_replicas, workload_name
 
 __all__ = [
     "ENGINE_CONFIG_FILE",
+    "OPTIONAL_KINDS",
     "PRUNABLE_KINDS",
     "ROLE_LABEL",
     "OperatorSettings",

@@ -5,8 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from brook_operator.api import LLMInference
+from brook_operator.api.router import HTTP_ROUTE_API, INFERENCE_POOL_API
 from brook_operator.render.config_map import engine_config_map
 from brook_operator.render.network_policy import network_policies
+from brook_operator.render.router import router_children
 from brook_operator.render.services import api_service, disruption_budget
 from brook_operator.render.settings import OperatorSettings
 from brook_operator.render.workload import LWS_API_VERSION, desired_replicas, workload
@@ -18,7 +20,15 @@ from brook_operator.render.workload import LWS_API_VERSION, desired_replicas, wo
 PRUNABLE_KINDS: tuple[tuple[str, str], ...] = (
     ("apps/v1", "Deployment"),
     (LWS_API_VERSION, "LeaderWorkerSet"),
+    (INFERENCE_POOL_API, "InferencePool"),  # spec.router removed, or its gateways
+    (HTTP_ROUTE_API, "HTTPRoute"),
 )
+#: Kinds of optional APIs a child may need: (apiVersion, kind) → the CRD to install.
+OPTIONAL_KINDS: dict[tuple[str, str], str] = {
+    (INFERENCE_POOL_API, "InferencePool"): "inferencepools.inference.networking.k8s.io "
+    "(the Gateway API Inference Extension)",
+    (HTTP_ROUTE_API, "HTTPRoute"): "httproutes.gateway.networking.k8s.io (the Gateway API)",
+}
 
 
 def render_children(
@@ -33,6 +43,7 @@ def render_children(
         api_service(llmi),
         workload(llmi, settings, replicas),
         disruption_budget(llmi),
+        *router_children(llmi),
     ]
 
 

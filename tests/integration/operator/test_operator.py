@@ -22,7 +22,7 @@ import pytest
 
 from brook_operator.rbac import CLUSTER_RULES, NAMESPACED_RULES
 from support import operator_scenarios as scenarios
-from support.kube_api import KubeApi, leaderworkerset_crd
+from support.kube_api import KubeApi, leaderworkerset_crd, minimal_crd
 from support.operator_process import OperatorProcess
 from support.rbac_usage import USED, record_rbac
 
@@ -60,6 +60,11 @@ class EmulatedCluster:
 def cluster(kube_api: KubeApi, brook_crd: dict[str, Any]) -> EmulatedCluster:
     kube_api.create_namespace(NAMESPACE)
     kube_api.create(leaderworkerset_crd())
+    # spec.router's APIs (the autoscaled example routes through a Gateway)
+    kube_api.create(
+        minimal_crd("inference.networking.k8s.io", "v1", "inferencepools", "InferencePool")
+    )
+    kube_api.create(minimal_crd("gateway.networking.k8s.io", "v1", "httproutes", "HTTPRoute"))
     return EmulatedCluster(kube_api)
 
 
@@ -324,6 +329,76 @@ def test_status_says_why_replicas_are_not_ready(
         )
         assert scenarios.condition(llmi, "Ready")["reason"] == "ReplicasNotReady"
         assert scenarios.condition(llmi, "Reconciling")["status"] == "True"
+    finally:
+        assert process.stop() == 0
+        record_rbac(kube_api)
+
+
+def test_router_renders_the_inference_pool_and_route_once_their_apis_exist(
+    kube_api: KubeApi, brook_crd: Any, tmp_path: Path
+) -> None:
+    """spec.router without the Inference Extension's CRDs: Degraded naming what to install,
+    everything else applied; once installed, the next resync creates the InferencePool and
+    the HTTPRoute (owned by the resource); dropping the gateways, then the router, prunes
+    them. The CRDs here are stand-ins with an open schema (``minimal_crd``)."""
+    kube_api.create_namespace(NAMESPACE)
+    cluster = EmulatedCluster(kube_api)
+    process = OperatorProcess.start(
+        kube_api.kubeconfig,
+        tmp_path / "operator.log",
+        namespaces=[NAMESPACE],
+        extra_args=("--resync-seconds=0.5",),
+    )
+    router = {
+        "endpointPicker": {"name": "tiny-epp"},
+        "gateways": [{"name": "inference-gateway", "namespace": "gateway-system"}],
+    }
+    try:
+        scenarios.apply(cluster, scenarios.manifest("tiny-cpu", NAMESPACE, router=router))
+        llmi = scenarios.wait_status(
+            cluster,
+            "tiny-cpu",
+            lambda o: scenarios.condition(o, "Degraded").get("reason") == "RouterAPIMissing",
+            "RouterAPIMissing",
+        )
+        message = scenarios.condition(llmi, "Degraded")["message"]
+        assert "inferencepools.inference.networking.k8s.io" in message
+        assert "httproutes.gateway.networking.k8s.io" in message
+        assert scenarios.get(cluster, "deployment", "tiny-cpu") is not None
+        kube_api.create(
+            minimal_crd("inference.networking.k8s.io", "v1", "inferencepools", "InferencePool")
+        )
+        kube_api.create(minimal_crd("gateway.networking.k8s.io", "v1", "httproutes", "HTTPRoute"))
+        pool = scenarios.wait_for(
+            cluster, lambda: kube_api.get("inferencepools", "tiny-cpu", NAMESPACE), "the pool"
+        )
+        assert pool["spec"]["endpointPickerRef"]["name"] == "tiny-epp"
+        assert pool["spec"]["selector"]["matchLabels"]["brook.dev/role"] == "leader"
+        assert pool["metadata"]["ownerReferences"][0]["kind"] == "LLMInference"
+        route = scenarios.wait_for(
+            cluster, lambda: kube_api.get("httproutes", "tiny-cpu", NAMESPACE), "the route"
+        )
+        assert route["spec"]["rules"][0]["backendRefs"][0]["kind"] == "InferencePool"
+        scenarios.wait_status(
+            cluster,
+            "tiny-cpu",
+            lambda o: scenarios.condition(o, "Degraded").get("status") == "False",
+            "Degraded=False",
+        )
+        without_route = {"endpointPicker": {"name": "tiny-epp"}}
+        scenarios.apply(cluster, scenarios.manifest("tiny-cpu", NAMESPACE, router=without_route))
+        scenarios.wait_for(
+            cluster,
+            lambda: kube_api.get("httproutes", "tiny-cpu", NAMESPACE) is None,
+            "the route pruned",
+        )
+        assert kube_api.get("inferencepools", "tiny-cpu", NAMESPACE) is not None
+        scenarios.apply(cluster, scenarios.manifest("tiny-cpu", NAMESPACE))
+        scenarios.wait_for(
+            cluster,
+            lambda: kube_api.get("inferencepools", "tiny-cpu", NAMESPACE) is None,
+            "the pool pruned",
+        )
     finally:
         assert process.stop() == 0
         record_rbac(kube_api)

@@ -374,3 +374,22 @@ def test_spec_pod_env_reaches_the_model_download() -> None:
     spec = _by_kind(render_children(llmi, SETTINGS))["Deployment"]["spec"]["template"]["spec"]
     (fetch,) = spec["initContainers"]
     assert mirror in fetch["env"] and mirror in spec["containers"][0]["env"]
+
+
+def test_router_without_gateways_is_the_pool_alone() -> None:
+    router = {"endpointPicker": {"name": "epp", "failureMode": "FailOpen"}, "hostnames": ["a.b"]}
+    children = render_children(_llmi("tiny-cpu", router=router), SETTINGS)
+    kinds = [c["kind"] for c in children]
+    assert "InferencePool" in kinds and "HTTPRoute" not in kinds
+    pool = next(c for c in children if c["kind"] == "InferencePool")
+    assert pool["spec"]["endpointPickerRef"] == {
+        "name": "epp",
+        "port": {"number": 9002},
+        "failureMode": "FailOpen",
+    }
+    assert pool["spec"]["targetPorts"] == [{"number": 8000}]
+    with_gateway = {**router, "gateways": [{"name": "gw", "sectionName": "https"}]}
+    route = render_children(_llmi("tiny-cpu", router=with_gateway), SETTINGS)[-1]
+    assert route["kind"] == "HTTPRoute"
+    assert route["spec"]["parentRefs"] == [{"name": "gw", "sectionName": "https"}]
+    assert route["spec"]["hostnames"] == ["a.b"]
