@@ -19,6 +19,19 @@ from brook_operator.manifests import Manifest, ManifestError, load_manifests
 from brook_operator.render import OperatorSettings, render_children
 
 
+def _settings(args: argparse.Namespace) -> OperatorSettings:
+    """``--engine-image`` for every accelerator, ``--engine-image-for TYPE=IMAGE`` for one."""
+    images = dict(OperatorSettings().engine_images)
+    for item in args.engine_image_for or []:
+        kind, _, image = item.partition("=")
+        if kind not in images or not image:
+            raise ManifestError(
+                f"--engine-image-for {item!r}: give TYPE=IMAGE with TYPE one of {', '.join(images)}"
+            )
+        images[kind] = image
+    return OperatorSettings(engine_image=args.engine_image or None, engine_images=images)
+
+
 def _cmd_crd(args: argparse.Namespace) -> int:
     sys.stdout.write(reference_markdown() if args.reference else crd_yaml())
     return 0
@@ -76,7 +89,7 @@ def _planned(
 def _cmd_render(args: argparse.Namespace) -> int:
     manifests = load_manifests(args.filename)  # ManifestError: main reports it
     valid, count = _validated(manifests)
-    settings = OperatorSettings(engine_image=args.engine_image or OperatorSettings.engine_image)
+    settings = _settings(args)
     objects = []
     for manifest in valid:
         llmi = LLMInference.model_validate(manifest.obj)
@@ -194,7 +207,7 @@ def _cmd_operator(args: argparse.Namespace) -> int:
     )
     if args.kubeconfig:
         os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's own login reads it too
-    settings = OperatorSettings(engine_image=args.engine_image or OperatorSettings.engine_image)
+    settings = _settings(args)
     registry = CollectorRegistry()
     start_http_server(args.metrics_port, addr=args.metrics_address, registry=registry)
     kube = KubeClient.from_environment(args.kubeconfig, timeout_seconds=args.api_timeout_seconds)
@@ -335,7 +348,16 @@ def build_parser() -> argparse.ArgumentParser:
         "render", help="print the objects the operator creates for each LLMInference"
     )
     render.add_argument("-f", "--filename", action="append", required=True, help=files_help)
-    render.add_argument("--engine-image", help="engine image of resources without spec.image")
+    render.add_argument(
+        "--engine-image", help="engine image of resources without spec.image (any accelerator)"
+    )
+    render.add_argument(
+        "--engine-image-for",
+        action="append",
+        metavar="TYPE=IMAGE",
+        help="engine image of resources on accelerator TYPE (cpu, cuda, npu) without "
+        "spec.image (repeatable; default ghcr.io/brook-dev/brook-engine:VERSION, -cuda, -cann)",
+    )
     render.set_defaults(func=_cmd_render)
 
     up = sub.add_parser(
@@ -401,7 +423,17 @@ def build_parser() -> argparse.ArgumentParser:
     scope.add_argument(
         "-n", "--namespace", action="append", help="watch this namespace (repeatable)"
     )
-    operator.add_argument("--engine-image", help="engine image of resources that set no spec.image")
+    operator.add_argument(
+        "--engine-image",
+        help="engine image of resources that set no spec.image, for every accelerator",
+    )
+    operator.add_argument(
+        "--engine-image-for",
+        action="append",
+        metavar="TYPE=IMAGE",
+        help="engine image of resources on accelerator TYPE (cpu, cuda, npu) that set no "
+        "spec.image (repeatable; default ghcr.io/brook-dev/brook-engine:VERSION, -cuda, -cann)",
+    )
     operator.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics")
     operator.add_argument("--metrics-address", default="0.0.0.0", help="address of /metrics")
     operator.add_argument("--health-port", type=int, default=8080, help="liveness at /healthz")

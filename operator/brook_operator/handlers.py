@@ -64,7 +64,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
     if "reconciler" not in memo:
         operator_settings = memo.get("settings") or OperatorSettings(
-            engine_image=os.environ.get("BROOK_ENGINE_IMAGE") or OperatorSettings.engine_image
+            engine_image=os.environ.get("BROOK_ENGINE_IMAGE") or None
         )
         memo["reconciler"] = Reconciler(
             KubeClient.from_environment(timeout_seconds=timeout), operator_settings

@@ -91,9 +91,6 @@ job="brook-engine"
 {{- end }}
 
 {{/* The default engine image (--engine-image). */}}
-{{- define "brook.engine.image" -}}
-{{- default (printf "ghcr.io/brook-dev/brook-engine:%s" .Chart.AppVersion) .Values.engine.image }}
-{{- end }}
 
 {{/*
 The namespaces the operator watches, as a JSON list: none in rbac.scope "cluster" (it

@@ -128,7 +128,9 @@ def model_source(spec: LLMInferenceSpec, settings: OperatorSettings) -> ModelSou
                     "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
                 }
             )
-        init = _fetch_container(FETCH_CONTAINER, settings.engine_image, command, env, False)
+        init = _fetch_container(
+            FETCH_CONTAINER, settings.image_for(spec.accelerator.type), command, env, False
+        )
         if spec.model.cache is not None:
             init["volumeMounts"].append({"name": "fetch-tmp", "mountPath": "/tmp"})
             volumes.append({"name": "fetch-tmp", "emptyDir": {}})

@@ -167,7 +167,7 @@ def pod_template(llmi: LLMInference, settings: OperatorSettings, role: Role) -> 
         )
     container: dict[str, Any] = {
         "name": ENGINE_CONTAINER,
-        "image": spec.image or settings.engine_image,
+        "image": spec.image or settings.image_for(spec.accelerator.type),
         "command": ["brook-engine", "serve", "--config", f"{CONFIG_DIR}/{ENGINE_CONFIG_FILE}"],
         "ports": [
             {"name": HTTP_PORT, "containerPort": port, "protocol": "TCP"},

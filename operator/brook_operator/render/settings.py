@@ -17,12 +17,29 @@ def _fetchers() -> dict[str, str]:
     }
 
 
+#: Where the engine images are published, one variant per accelerator: torch's CPU build,
+#: the CUDA build, and torch-npu on Ascend's CANN.
+ENGINE_REPOSITORY = "ghcr.io/brook-dev/brook-engine"
+ENGINE_VARIANTS = {"cpu": "", "cuda": "-cuda", "npu": "-cann"}
+
+
+def _engine_images() -> dict[str, str]:
+    return {
+        kind: f"{ENGINE_REPOSITORY}:{__version__}{tag}" for kind, tag in ENGINE_VARIANTS.items()
+    }
+
+
 @dataclass(frozen=True)
 class OperatorSettings:
     """The operator's own configuration (its command-line flags)."""
 
-    engine_image: str = f"ghcr.io/brook-dev/brook-engine:{__version__}"
-    """Engine image of resources that set no spec.image. It also fetches hf:// models."""
+    engine_image: str | None = None
+    """Engine image of every resource that sets no spec.image, whatever its accelerator
+    (``--engine-image``); unset: the variant of ``engine_images`` for its accelerator."""
+
+    engine_images: dict[str, str] = field(default_factory=_engine_images)
+    """Engine image per accelerator type (cpu, cuda, npu) of resources that set no
+    spec.image (``--engine-image-for TYPE=IMAGE``)."""
 
     fetcher_images: dict[str, str] = field(default_factory=_fetchers)
     """Init-container image per model URI scheme it does not fetch with the engine image:
@@ -33,3 +50,8 @@ class OperatorSettings:
 
     shm_size_limit: str = "16Gi"
     """sizeLimit of the shared-memory emptyDir at /dev/shm (torch workers and HCCL use it)."""
+
+    def image_for(self, accelerator: str) -> str:
+        """The engine image of a resource on ``accelerator`` that sets no spec.image (it also
+        fetches hf:// models)."""
+        return self.engine_image or self.engine_images[accelerator]

@@ -53,7 +53,10 @@ NON_DEFAULT: dict[str, Any] = {
     },
     "crds": {"enabled": False},
     "image": {"repository": "registry.example/brook-operator", "tag": "dev"},
-    "engine": {"image": "registry.example/brook-engine:dev"},
+    "engine": {
+        "image": "registry.example/brook-engine:dev",
+        "images": {"npu": "registry.example/cann:dev"},
+    },
     "podLabels": {"team": "ml", "app.kubernetes.io/name": "not-the-selector"},
 }
 
@@ -280,7 +283,6 @@ def test_operator_command_line(default: list[dict[str, Any]]) -> None:
     assert container["args"] == [
         "operator",
         "--all-namespaces",
-        f"--engine-image=ghcr.io/brook-dev/brook-engine:{__version__}",
         "--metrics-port=9090",
         "--health-port=8080",
     ]
@@ -309,10 +311,9 @@ def test_operator_arguments_parse_with_brook_cli(
     assert args.all_namespaces is (which == "default")
     assert args.namespace == (None if which == "default" else WATCHED)
     assert (args.metrics_port, args.health_port) == (9090, 8080)
-    assert args.engine_image == (
-        f"ghcr.io/brook-dev/brook-engine:{__version__}"
-        if which == "default"
-        else NON_DEFAULT["engine"]["image"]
+    assert args.engine_image == (None if which == "default" else NON_DEFAULT["engine"]["image"])
+    assert args.engine_image_for == (
+        None if which == "default" else ["npu=registry.example/cann:dev"]
     )
 
 

@@ -393,3 +393,27 @@ def test_router_without_gateways_is_the_pool_alone() -> None:
     assert route["kind"] == "HTTPRoute"
     assert route["spec"]["parentRefs"] == [{"name": "gw", "sectionName": "https"}]
     assert route["spec"]["hostnames"] == ["a.b"]
+
+
+def test_the_engine_image_is_the_accelerators_variant() -> None:
+    from brook_operator import __version__
+    from brook_operator.cli import main
+
+    def images(name: str, settings: OperatorSettings) -> set[str]:
+        workload = _by_kind(render_children(_llmi(name), settings))
+        workload = workload.get("Deployment") or workload["LeaderWorkerSet"]
+        return {
+            c["image"]
+            for t in _pod_templates(workload).values()
+            for c in [*t["spec"].get("initContainers", []), *t["spec"]["containers"]]
+        }
+
+    published = OperatorSettings()
+    repo = "ghcr.io/brook-dev/brook-engine"
+    assert images("qwen-7b-autoscaled", published) == {f"{repo}:{__version__}-cann"}  # + fetch
+    assert images("tiny-cpu", published) == {f"{repo}:{__version__}"}
+    mirrored = OperatorSettings(engine_images={**published.engine_images, "npu": "mirror/cann:1"})
+    assert images("llama-70b-npu-tp8", mirrored) == {"mirror/cann:1"}
+    assert images("llama-70b-npu-tp8", OperatorSettings(engine_image="one:1")) == {"one:1"}
+    assert main(["render", "-f", str(ROOT / "crds/examples/tiny-cpu.yaml"),
+                 "--engine-image-for", "gpu=x"]) == 2  # fmt: skip
