@@ -1,9 +1,13 @@
 # The two commands of the README: `make demo` and `make test`. Each builds its own virtual
-# environment in .venv (torch pinned by constraints.txt to the CPU build).
+# environment in .venv (torch pinned by constraints.txt; see TORCH_INDEX for its CPU build).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
+# TORCH_INDEX: an extra index with torch's CPU wheels where pip reaches PyPI itself, whose
+# torch wheels carry CUDA (make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu).
+TORCH_INDEX ?=
+PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt \
+	$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 
 .PHONY: demo test lint unit crd clean
 
