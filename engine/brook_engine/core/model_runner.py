@@ -11,9 +11,12 @@ and no communication."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +33,11 @@ from brook_engine.core.step_inputs import StepInputBuilder, StepInputs, chunk_of
 from brook_engine.device import Backend
 from brook_engine.kv import sizing
 from brook_engine.kv.cache import LayerKVCache
+from brook_engine.kv.calibration_store import (
+    CalibrationStore,
+    store_facts,
+    weights_fingerprint,
+)
 from brook_engine.kv.setup import CalibrationPass, set_up_kv_cache
 from brook_engine.kv.sizing import KVLayout
 from brook_engine.layers.rotary import RotaryEmbedding
@@ -176,6 +184,7 @@ class ModelRunner:
                 else None,
             ),
             comm,
+            self._calibration_store(folder),
         )
         self.kv_layout, self.calibration = kv.layout, kv.calibration
         self.num_blocks, self.caches = kv.num_blocks, kv.caches
@@ -219,6 +228,32 @@ class ModelRunner:
     # -- the KV cache ----------------------------------------------------------------------
 
     @torch.inference_mode()
+    def _calibration_store(self, folder: Path) -> Callable[[list[int]], CalibrationStore] | None:
+        """Where this rank keeps its KV calibration: ``shapes.cacheDir``, keyed on what the
+        outcome depends on (``kv.calibration_store``); None without a cache folder."""
+        config = self.config
+        if config.shapes.cache_dir is None or not config.kv_cache.needs_calibration:
+            return None
+        topo = self.topology
+        facts = store_facts(
+            weights=weights_fingerprint(folder),
+            quantization=config.quantization.model_dump(mode="json"),
+            dynamic=config.kv_cache.dynamic_precision.model_dump(mode="json"),
+            policy=list(self.kv_layout.layer_kinds),
+            layers=[self.layer_start, self.layer_end],
+            tensor=[topo.tp_rank, topo.tensor],
+            max_model_len=self.max_model_len,
+            dtype=str(self.dtype),
+            device=self.device.type,
+        )
+        cache_dir = config.shapes.cache_dir
+
+        def store(ids: list[int]) -> CalibrationStore:
+            tokens = hashlib.sha256(json.dumps(ids).encode()).hexdigest()
+            return CalibrationStore.at(cache_dir, {**facts, "tokens": tokens})
+
+        return store
+
     def _calibration_prefill(self, caches: list[LayerKVCache], ids: list[int]) -> None:
         """Run ``ids`` from position 0 through this rank's stage over ``caches``."""
         blocks = list(range(-(-len(ids) // self.block_size)))

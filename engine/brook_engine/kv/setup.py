@@ -22,6 +22,7 @@ from brook_engine.kv.calibration import (
     check_int8_calibration,
     summarize,
 )
+from brook_engine.kv.calibration_store import CalibrationStore
 from brook_engine.kv.sizing import KVLayout, num_blocks
 
 log = logging.getLogger(__name__)
@@ -68,8 +69,11 @@ def set_up_kv_cache(
     calibration_ids: list[int] | None,
     calibration_pass: CalibrationPass,
     group: RankGroup | None,
+    store: Callable[[list[int]], CalibrationStore] | None = None,
 ) -> KVCacheSetup:
-    """``policy``: every layer's dtype in the whole model; ``layout``: this rank's."""
+    """``policy``: every layer's dtype in the whole model; ``layout``: this rank's.
+    ``store(ids)``: where this rank's calibration on ``ids`` is kept (``shapes.cacheDir``):
+    reused when it is there, kept when measured."""
     calibrating = config.kv_cache.needs_calibration
     if group is not None and calibrating:
         calibration_ids = group.broadcast_object(calibration_ids, list[int] | None)
@@ -77,9 +81,16 @@ def set_up_kv_cache(
         check_int8_calibration(calibration_ids, max_model_len)
     calibration = None
     if calibrating and calibration_ids:
-        calibration = _calibrate(
-            config, layout, max_model_len, device, calibration_ids, calibration_pass
-        )
+        kept = store(calibration_ids) if store is not None else None
+        calibration = kept.load(device) if kept is not None else None
+        if calibration is not None:
+            log.info("KV calibration reused from %s", kept.path if kept else "")
+        else:
+            calibration = _calibrate(
+                config, layout, max_model_len, device, calibration_ids, calibration_pass
+            )
+            if kept is not None:
+                kept.save(calibration)
         layout = dataclasses.replace(layout, layer_kinds=calibration.chosen)
         if group is None:
             log.info("%s", summarize(calibration))
