@@ -98,11 +98,7 @@ def test_brook_up_serves_the_example_and_drains_on_a_signal(
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     handle = ServerProcess(proc, f"http://127.0.0.1:{port}", log_path, None)
     try:
-        deadline = time.monotonic() + 180
-        while not _ready(handle):
-            assert proc.poll() is None, handle.log()[-3000:]
-            assert time.monotonic() < deadline, handle.log()[-3000:]
-            time.sleep(0.2)
+        _wait_ready(handle)
         client = openai.OpenAI(base_url=handle.url + "/v1", api_key="none", max_retries=0)
         prompt = [5, 6, 7, 8, 9, 10]
         reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0)
@@ -155,11 +151,7 @@ def test_brook_up_downloads_an_hf_model_into_the_hub_cache(
             )
         handle = ServerProcess(proc, f"http://127.0.0.1:{port}", log_path, None)
         try:
-            deadline = time.monotonic() + 180
-            while not _ready(handle):
-                assert proc.poll() is None, handle.log()[-3000:]
-                assert time.monotonic() < deadline, handle.log()[-3000:]
-                time.sleep(0.2)
+            _wait_ready(handle)
             status, reply = handle.post(
                 "/v1/completions", {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4}
             )
@@ -180,6 +172,16 @@ def test_brook_up_downloads_an_hf_model_into_the_hub_cache(
     assert refused.returncode == 2, refused.stderr
     assert "spec.model.uri 'hf://brook-test/missing': the download failed" in refused.stderr
     assert "--model FOLDER" in refused.stderr
+
+
+def _wait_ready(handle: ServerProcess) -> None:
+    """Until the server answers /ready (its log in the failure when it exits or takes
+    three minutes)."""
+    deadline = time.monotonic() + 180
+    while not _ready(handle):
+        assert handle.proc.poll() is None, handle.log()[-3000:]
+        assert time.monotonic() < deadline, handle.log()[-3000:]
+        time.sleep(0.2)
 
 
 def _ready(handle: ServerProcess) -> bool:

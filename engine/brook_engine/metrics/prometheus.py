@@ -215,21 +215,37 @@ class EngineMetrics:
             "MoE: token slots each expert served (this stage's layers).",
             ["expert"],
         )
-        self.ttft = histogram(
+
+        def latency(
+            name: str, vllm_name: str, text: str, buckets: tuple[float, ...]
+        ) -> tuple[Histogram, Any]:
+            """A request latency histogram and its vLLM-named twin."""
+            twin = vllm_histogram(vllm_name, f"{text.rstrip('.')} (vLLM name).", buckets)
+            return histogram(name, text, buckets), twin
+
+        self.ttft, self.vllm_ttft = latency(
             names.TIME_TO_FIRST_TOKEN_SECONDS,
+            names.VLLM_TIME_TO_FIRST_TOKEN_SECONDS,
             "Arrival to first generated token.",
             _LATENCY_BUCKETS,
         )
-        self.tpot = histogram(
+        self.tpot, self.vllm_tpot = latency(
             names.TIME_PER_OUTPUT_TOKEN_SECONDS,
+            names.VLLM_REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS,
             "Mean time between generated tokens of a request.",
             _TOKEN_LATENCY_BUCKETS,
         )
-        self.e2e = histogram(
-            names.E2E_REQUEST_LATENCY_SECONDS, "Arrival to the last token.", _LATENCY_BUCKETS
+        self.e2e, self.vllm_e2e = latency(
+            names.E2E_REQUEST_LATENCY_SECONDS,
+            names.VLLM_E2E_REQUEST_LATENCY_SECONDS,
+            "Arrival to the last token.",
+            _LATENCY_BUCKETS,
         )
-        self.queue = histogram(
-            names.REQUEST_QUEUE_TIME_SECONDS, "Arrival to first scheduled.", _LATENCY_BUCKETS
+        self.queue, self.vllm_queue = latency(
+            names.REQUEST_QUEUE_TIME_SECONDS,
+            names.VLLM_REQUEST_QUEUE_TIME_SECONDS,
+            "Arrival to first scheduled.",
+            _LATENCY_BUCKETS,
         )
         self.vllm_requests = Counter(
             names.VLLM_REQUEST_SUCCESS_TOTAL.removesuffix("_total"),
@@ -256,22 +272,6 @@ class EngineMetrics:
                 names.VLLM_PREFIX_CACHE_HITS_TOTAL, "Prompt tokens found (vLLM name)."
             ),
         }
-        self.vllm_ttft = vllm_histogram(
-            names.VLLM_TIME_TO_FIRST_TOKEN_SECONDS, "TTFT (vLLM name).", _LATENCY_BUCKETS
-        )
-        self.vllm_tpot = vllm_histogram(
-            names.VLLM_REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS,
-            "A request's mean time per output token (vLLM name).",
-            _TOKEN_LATENCY_BUCKETS,
-        )
-        self.vllm_e2e = vllm_histogram(
-            names.VLLM_E2E_REQUEST_LATENCY_SECONDS,
-            "End-to-end latency (vLLM name).",
-            _LATENCY_BUCKETS,
-        )
-        self.vllm_queue = vllm_histogram(
-            names.VLLM_REQUEST_QUEUE_TIME_SECONDS, "Queue time (vLLM name).", _LATENCY_BUCKETS
-        )
         self._model = model[names.VLLM_MODEL_LABEL]
         self._last: EngineStats | None = None
 

@@ -63,6 +63,13 @@ def _cel_list(items: tuple[str, ...]) -> str:
 CEL_RULES: dict[type[BaseModel], list[Rule]] = {
     LLMInferenceSpec: [
         Rule(
+            "!has(self.router) || size(self.router.hostnames) == 0 || "
+            "size(self.router.gateways) > 0",
+            "router.hostnames: host names are matched by the HTTPRoute, which gateways make; "
+            "give router.gateways or remove hostnames",
+            ".router.hostnames",
+        ),
+        Rule(
             "!has(self.model.cache) || self.model.uri.startsWith('hf://')",
             "model.cache: the shared cache holds hf:// downloads; remove cache for other "
             "sources (pvc:// and file:// need none; s3:// and oci:// are not cached yet)",

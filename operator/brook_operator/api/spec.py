@@ -266,6 +266,11 @@ def spec_problems(spec: LLMInferenceSpec) -> list[str]:
             f"model.include: file patterns filter hf:// and s3:// downloads; a {scheme}:// "
             "model is used as it is: remove include and exclude"
         )
+    if spec.router is not None and spec.router.hostnames and not spec.router.gateways:
+        problems.append(
+            "router.hostnames: host names are matched by the HTTPRoute, which gateways make; "
+            "give router.gateways or remove hostnames"
+        )
     if spec.pod is not None:
         problems += pod_problems(spec.pod)
         cache = spec.shapes.cache_dir

@@ -88,26 +88,33 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedire
 _CHUNK = 64 * 1024
 
 
-def scrape(url: str, timeout: float = SCRAPE_TIMEOUT_SECONDS) -> EngineSample:
-    """GET ``url`` (an engine's /metrics) and parse it, within ``timeout`` overall (a pod
-    that sends its answer a byte at a time is cut off, not waited for)."""
+def read_body(url: str, timeout: float = SCRAPE_TIMEOUT_SECONDS, accept: str = "*/*") -> str:
+    """GET ``url`` directly (no proxy, no redirect) within ``timeout`` overall and at most
+    ``MAX_BODY_BYTES`` (a pod that sends its answer a byte at a time is cut off, not waited
+    for); ``ScrapeError`` naming the URL otherwise."""
     deadline = time.monotonic() + timeout
     chunks: list[bytes] = []
     size = 0
+    request = urllib.request.Request(url, headers={"Accept": accept})
     try:
-        with _OPENER.open(url, timeout=timeout) as response:
+        with _OPENER.open(request, timeout=timeout) as response:
             if response.status != 200:
                 raise ScrapeError(f"{url}: HTTP {response.status}")
             while chunk := response.read1(_CHUNK):
                 chunks.append(chunk)
                 size += len(chunk)
                 if size > MAX_BODY_BYTES:
-                    raise ScrapeError(f"{url}: more than {MAX_BODY_BYTES} bytes of metrics")
+                    raise ScrapeError(f"{url}: more than {MAX_BODY_BYTES} bytes")
                 if time.monotonic() > deadline:
                     raise ScrapeError(f"{url}: no complete answer within {timeout:g} s")
     except (urllib.error.URLError, OSError, ValueError) as exc:
         raise ScrapeError(f"{url}: {exc}") from None
-    return parse_metrics(b"".join(chunks).decode("utf-8", errors="replace"))
+    return b"".join(chunks).decode("utf-8", errors="replace")
+
+
+def scrape(url: str, timeout: float = SCRAPE_TIMEOUT_SECONDS) -> EngineSample:
+    """GET ``url`` (an engine's /metrics) and parse it."""
+    return parse_metrics(read_body(url, timeout, "text/plain"))
 
 
 Scraper = Callable[[str], EngineSample]

@@ -283,8 +283,6 @@ class Reconciler:
                 lws_missing or not self.kube.has_api(LWS_API_VERSION, kind)
             ):
                 continue
-            if (api_version, kind) in OPTIONAL_KINDS and not self.kube.has_api(api_version, kind):
-                continue  # nothing of a kind the cluster does not serve
             for obj in self.kube.list(
                 api_version, kind, namespace, f"{INSTANCE_LABEL}={llmi.metadata.name}"
             ):

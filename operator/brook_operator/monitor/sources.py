@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from brook_operator.api import API_VERSION
+from brook_operator.autoscaler.scrape import ScrapeError, read_body
 from brook_operator.kube import KubeClient, KubeError
 from brook_operator.local_run import LocalServer, local_servers
 from brook_operator.monitor.figures import Frame
@@ -32,7 +33,6 @@ from brook_operator.render.pod import HTTP_PORT, http_port
 
 #: Longest one read of a server's metrics or of Prometheus may take.
 READ_TIMEOUT_SECONDS = 5.0
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class MonitorError(Exception):
@@ -52,15 +52,11 @@ class Source(Protocol):
 
 
 def _http_get(url: str, accept: str = "text/plain") -> str:
-    request = urllib.request.Request(url, headers={"Accept": accept})
+    """The autoscaler's bounded, direct read of a server, its errors as ``MonitorError``."""
     try:
-        with _OPENER.open(request, timeout=READ_TIMEOUT_SECONDS) as response:
-            body: bytes = response.read()
-            return body.decode("utf-8", errors="replace")
-    except urllib.error.HTTPError as exc:
-        raise MonitorError(f"{url}: HTTP {exc.code} {exc.reason}") from None
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        raise MonitorError(f"{url}: {exc}") from None
+        return read_body(url, READ_TIMEOUT_SECONDS, accept)
+    except ScrapeError as exc:
+        raise MonitorError(str(exc)) from None
 
 
 def _read_all(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,23 @@ def cluster(kube_api: KubeApi, brook_crd: dict[str, Any]) -> EmulatedCluster:
     )
     kube_api.create(minimal_crd("gateway.networking.k8s.io", "v1", "httproutes", "HTTPRoute"))
     return EmulatedCluster(kube_api)
+
+
+@contextmanager
+def _resyncing_operator(kube_api: KubeApi, tmp_path: Path) -> Iterator[OperatorProcess]:
+    """The operator resyncing every half second (status refreshes, Degraded reconciled
+    again); stopped cleanly, its requests recorded for the RBAC check."""
+    process = OperatorProcess.start(
+        kube_api.kubeconfig,
+        tmp_path / "operator.log",
+        namespaces=[NAMESPACE],
+        extra_args=("--resync-seconds=0.5",),
+    )
+    try:
+        yield process
+    finally:
+        assert process.stop() == 0
+        record_rbac(kube_api)
 
 
 @pytest.fixture
@@ -150,13 +168,7 @@ def test_missing_leader_worker_set_is_degraded(
 ) -> None:
     kube_api.create_namespace(NAMESPACE)
     cluster = EmulatedCluster(kube_api)  # no LeaderWorkerSet CRD here
-    process = OperatorProcess.start(
-        kube_api.kubeconfig,
-        tmp_path / "operator.log",
-        namespaces=[NAMESPACE],
-        extra_args=("--resync-seconds=0.5",),
-    )
-    try:
+    with _resyncing_operator(kube_api, tmp_path) as process:
         scenarios.apply(cluster, scenarios.manifest("qwen-110b-npu-tp4-pp2", NAMESPACE))
         llmi = scenarios.wait_status(
             cluster,
@@ -180,9 +192,6 @@ def test_missing_leader_worker_set_is_degraded(
             lambda o: scenarios.condition(o, "Degraded").get("status") == "False",
             "Degraded=False",
         )
-    finally:
-        assert process.stop() == 0
-        record_rbac(kube_api)
 
 
 def test_killed_mid_reconcile_resumes_without_duplicates(
@@ -261,13 +270,7 @@ def test_status_says_why_replicas_are_not_ready(
     says a person is needed, and clears when the pods recover."""
     kube_api.create_namespace(NAMESPACE)
     cluster = EmulatedCluster(kube_api)
-    process = OperatorProcess.start(
-        kube_api.kubeconfig,
-        tmp_path / "operator.log",
-        namespaces=[NAMESPACE],
-        extra_args=("--resync-seconds=0.5",),
-    )
-    try:
+    with _resyncing_operator(kube_api, tmp_path):
         scenarios.apply(cluster, scenarios.manifest("tiny-cpu", NAMESPACE, replicas=3))
         scenarios.wait_status(
             cluster, "tiny-cpu", lambda o: bool(scenarios.condition(o, "Ready")), "Ready"
@@ -329,9 +332,6 @@ def test_status_says_why_replicas_are_not_ready(
         )
         assert scenarios.condition(llmi, "Ready")["reason"] == "ReplicasNotReady"
         assert scenarios.condition(llmi, "Reconciling")["status"] == "True"
-    finally:
-        assert process.stop() == 0
-        record_rbac(kube_api)
 
 
 def test_router_renders_the_inference_pool_and_route_once_their_apis_exist(
@@ -343,17 +343,11 @@ def test_router_renders_the_inference_pool_and_route_once_their_apis_exist(
     them. The CRDs here are stand-ins with an open schema (``minimal_crd``)."""
     kube_api.create_namespace(NAMESPACE)
     cluster = EmulatedCluster(kube_api)
-    process = OperatorProcess.start(
-        kube_api.kubeconfig,
-        tmp_path / "operator.log",
-        namespaces=[NAMESPACE],
-        extra_args=("--resync-seconds=0.5",),
-    )
     router = {
         "endpointPicker": {"name": "tiny-epp"},
         "gateways": [{"name": "inference-gateway", "namespace": "gateway-system"}],
     }
-    try:
+    with _resyncing_operator(kube_api, tmp_path):
         scenarios.apply(cluster, scenarios.manifest("tiny-cpu", NAMESPACE, router=router))
         llmi = scenarios.wait_status(
             cluster,
@@ -399,9 +393,6 @@ def test_router_renders_the_inference_pool_and_route_once_their_apis_exist(
             lambda: kube_api.get("inferencepools", "tiny-cpu", NAMESPACE) is None,
             "the pool pruned",
         )
-    finally:
-        assert process.stop() == 0
-        record_rbac(kube_api)
 
 
 def test_throttling_and_server_errors_are_retried(

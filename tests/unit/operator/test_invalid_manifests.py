@@ -263,6 +263,11 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
         {"spec.model.include": ["*.safetensors"]},
         "spec.model.include",
     ),
+    (
+        "router-hostnames-without-gateways",
+        {"spec.router": {"endpointPicker": {"name": "epp"}, "hostnames": ["llm.example.com"]}},
+        "spec.router.hostnames",
+    ),
     ("name-too-long", {"metadata.name": "q" * 60}, "metadata.name"),
     ("name-not-dns", {"metadata.name": "Qwen_110B"}, "metadata.name"),
 ]

@@ -377,7 +377,7 @@ def test_spec_pod_env_reaches_the_model_download() -> None:
 
 
 def test_router_without_gateways_is_the_pool_alone() -> None:
-    router = {"endpointPicker": {"name": "epp", "failureMode": "FailOpen"}, "hostnames": ["a.b"]}
+    router: dict[str, Any] = {"endpointPicker": {"name": "epp", "failureMode": "FailOpen"}}
     children = render_children(_llmi("tiny-cpu", router=router), SETTINGS)
     kinds = [c["kind"] for c in children]
     assert "InferencePool" in kinds and "HTTPRoute" not in kinds
@@ -389,6 +389,7 @@ def test_router_without_gateways_is_the_pool_alone() -> None:
     }
     assert pool["spec"]["targetPorts"] == [{"number": 8000}]
     with_gateway = {**router, "gateways": [{"name": "gw", "sectionName": "https"}]}
+    with_gateway["hostnames"] = ["a.b"]
     route = render_children(_llmi("tiny-cpu", router=with_gateway), SETTINGS)[-1]
     assert route["kind"] == "HTTPRoute"
     assert route["spec"]["parentRefs"] == [{"name": "gw", "sectionName": "https"}]
