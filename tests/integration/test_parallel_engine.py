@@ -260,14 +260,17 @@ def test_int8_kv_is_fitted_per_rank_and_matches_one_process(
 
 
 @pytest.mark.parametrize(
-    ("arch", "tensor", "pipeline", "group_size"),
+    ("arch", "tensor", "pipeline", "group_size", "gptq"),
     [
         # row-parallel o/down: whole-row scales
-        pytest.param("llama", 2, 1, None, id="llama-tp2"),
+        pytest.param("llama", 2, 1, None, False, id="llama-tp2"),
         # groups of a row-parallel layer split between the ranks
-        pytest.param("llama", 2, 1, 32, id="llama-tp2-group32"),
-        pytest.param("qwen2", 2, 1, None, id="qwen2-tp2"),  # tied head split by vocabulary
-        pytest.param("llama", 1, 2, 32, id="llama-pp2-group32"),
+        pytest.param("llama", 2, 1, 32, False, id="llama-tp2-group32"),
+        pytest.param("qwen2", 2, 1, None, False, id="qwen2-tp2"),  # tied head split by vocabulary
+        pytest.param("llama", 1, 2, 32, False, id="llama-pp2-group32"),
+        # a stored int8 head (vocabulary 320 over 2 ranks); stored groups on two stages
+        pytest.param("qwen2", 2, 1, None, True, id="qwen2-tp2-gptq"),
+        pytest.param("llama", 1, 2, 32, True, id="llama-pp2-gptq-group32"),
     ],
 )
 def test_w8a16_under_parallelism_matches_one_process(
@@ -275,8 +278,10 @@ def test_w8a16_under_parallelism_matches_one_process(
     tensor: int,
     pipeline: int,
     group_size: int | None,
+    gptq: bool,
     make_tiny_model: Callable[..., Path],
     engines: list[LLM],
+    tmp_path: Path,
 ) -> None:
     """W8A16 quantizes after sharding with scales per output channel: every rank holds the
     int8 values and scales one process holds for its slice, so TP=2 and PP=2 generate what
@@ -286,6 +291,12 @@ def test_w8a16_under_parallelism_matches_one_process(
     # MLP width 128: 64 per tensor rank, two groups of 32 each
     folder = make_tiny_model(arch, num_hidden_layers=4, intermediate_size=128)
     w8a16 = {"weights": "w8a16", "group_size": group_size}
+    if gptq:  # a GPTQ folder: its int8 head is split over the ranks' vocabulary slices
+        from brook_engine.convert.w8a16 import quantize_folder
+
+        converted = tmp_path / "gptq"
+        quantize_folder(folder, converted, group_size, progress=False, method="gptq")
+        folder, w8a16 = converted, {"weights": "w8a16"}
     prompts = _prompts(320, [9, 23, 3, 30], seed=5)
     single = LLM(
         str(folder),

@@ -4,6 +4,7 @@ prompts, and print one table (or JSON)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -53,6 +54,9 @@ def bench(args: argparse.Namespace, options: dict[str, Any]) -> int:
         from brook_engine.bench.parallel_layouts import bench_parallel
 
         return bench_parallel(args, options)
+    if args.quantized is not None and args.workload != "w8a16-quality":
+        print("error: --quantized applies to --workload w8a16-quality", file=sys.stderr)
+        return 2
     if args.workload != "random":
         return _bench_kv(args, options)
     if args.mode == "serve":
@@ -168,6 +172,8 @@ def _bench_kv(args: argparse.Namespace, options: dict[str, Any]) -> int:
         "long-context": kv_workloads.long_context,
         "w8a16-quality": quant_workloads.w8a16_quality,
     }[args.workload]
+    if args.quantized is not None:
+        run = functools.partial(quant_workloads.w8a16_quality, quantized=args.quantized)
     result = run(args.model, options, args.num_requests, args.seed, not args.json)
     if args.json:
         out = {

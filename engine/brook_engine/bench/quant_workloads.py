@@ -6,6 +6,7 @@ workload measures KV precision."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 from brook_engine.bench.kv_workloads import KVBenchResult, _engine, _held_out_text
@@ -25,21 +26,41 @@ def _projection_bytes(engine: Any) -> int:
     return total
 
 
+def _group_size(quantized: str | None, quantization: dict[str, Any]) -> int | None:
+    if quantized is None:
+        return quantization.get("group_size")
+    from brook_engine.quant.checkpoint import read_quantization
+
+    stored = read_quantization(Path(quantized))
+    return stored.group_size if stored is not None else None
+
+
 def w8a16_quality(
-    model: str, options: dict[str, Any], num_requests: int, seed: int, progress: bool
+    model: str,
+    options: dict[str, Any],
+    num_requests: int,
+    seed: int,
+    progress: bool,
+    quantized: str | None = None,
 ) -> KVBenchResult:
+    """``quantized``: a W8A16 folder to compare with ``model`` (its float original), in
+    place of ``model`` quantized as it loads."""
     import torch
     import torch.nn.functional as F
 
     del num_requests, seed  # the held-out text is fixed
     quantization = {**options.get("quantization", {}), "weights": "w8a16"}
     options = {k: v for k, v in options.items() if k != "quantization"}
+    if quantized is not None:
+        quantization = {"weights": "w8a16"}  # the folder's own grouping
     exact_kv = {
         "layer_policies": [{"start": 0.0, "end": 1.0, "dtype": "auto"}],
         "dynamic_precision": {"enabled": False},
     }
     full = _engine(model, options, exact_kv, progress)
-    w8a16 = _engine(model, {**options, "quantization": quantization}, exact_kv, progress)
+    w8a16 = _engine(
+        quantized or model, {**options, "quantization": quantization}, exact_kv, progress
+    )
     text_ids = full.tokenizer.encode(_held_out_text(), add_special_tokens=False)
     chunk_len, num_chunks = 512, 8
     agree = total = 0
@@ -49,16 +70,17 @@ def w8a16_quality(
         target = torch.tensor(chunk[1:])
         # float32 heads: a 16-bit head ties the reference's top two at some positions
         reference = full.prompt_logits(chunk, in_float32=True)[:-1]
-        quantized = w8a16.prompt_logits(chunk, in_float32=True)[:-1]
-        agree += int((reference.argmax(-1) == quantized.argmax(-1)).sum())
+        rounded = w8a16.prompt_logits(chunk, in_float32=True)[:-1]
+        agree += int((reference.argmax(-1) == rounded.argmax(-1)).sum())
         total += len(chunk) - 1
         nll["full"] += float(F.cross_entropy(reference, target, reduction="sum"))
-        nll["w8a16"] += float(F.cross_entropy(quantized, target, reduction="sum"))
+        nll["w8a16"] += float(F.cross_entropy(rounded, target, reduction="sum"))
     ppl = {name: math.exp(value / total) for name, value in nll.items()}
     projections = {name: _projection_bytes(e) for name, e in (("full", full), ("w8a16", w8a16))}
     summary: dict[str, Any] = {
         "dtype": str(full.runner.dtype).removeprefix("torch."),
-        "group_size": quantization.get("group_size"),
+        "group_size": _group_size(quantized, quantization),
+        "quantized_folder": quantized,
         "projection_bytes_full": projections["full"],
         "projection_bytes_w8a16": projections["w8a16"],
         "projection_bytes_ratio": projections["w8a16"] / projections["full"],

@@ -8,6 +8,11 @@ quantized exactly as Brook quantizes at load time; the embedding, the norms, MoE
 the LM head are copied in float (``ignore: ["lm_head"]``, llm-compressor's default, and the
 routers by pattern) — Brook gives the head its int8 copy when it loads
 the folder. One tensor at a time is held in memory, so a model larger than memory converts.
+
+``--method gptq`` rounds the projections and the LM head with GPTQ against calibration text
+(the same scales, other integers; ``convert.gptq_calibration``) and stores the head in int8
+too (``lm_head.weight_packed``; ``ignore`` holds only the routers), because a head rounded
+to nearest at load would undo much of what GPTQ gains. It needs the model in float32 memory.
 """
 
 from __future__ import annotations
@@ -23,8 +28,9 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from brook_engine.config import ConfigError
+from brook_engine.convert.gptq_calibration import DEFAULT_TOKENS
 from brook_engine.quant import checkpoint as quant_checkpoint
-from brook_engine.quant.quantize import quantize
+from brook_engine.quant.quantize import QuantizedWeight, quantize
 
 _PROJECTION = re.compile(
     r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj"
@@ -35,13 +41,28 @@ _PROJECTION = re.compile(
 _ROUTERS = ["re:.*mlp\\.gate$", "re:.*block_sparse_moe\\.gate$", "re:.*shared_expert_gate$"]
 
 
+METHODS = ("minmax", "gptq")
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
 def quantize_folder(
-    source: Path, output: Path, group_size: int | None = None, progress: bool = True
+    source: Path,
+    output: Path,
+    group_size: int | None = None,
+    progress: bool = True,
+    method: str = "minmax",
+    calibration_text: str | None = None,
+    calibration_tokens: int = DEFAULT_TOKENS,
 ) -> int:
     """Write ``output`` (a scale per output channel, or per channel and ``group_size``
-    input channels); returns the number of projections quantized."""
+    input channels); returns the number of projections quantized. ``method``: ``minmax``
+    rounds each weight to nearest (one tensor in memory at a time); ``gptq`` rounds the
+    projections and the LM head against calibration text (``calibration_text``, Brook's
+    built-in text by default; ``convert.gptq_calibration``) and stores the head in int8 too."""
     if group_size is not None and (group_size <= 0 or group_size % 32):
         raise ConfigError(f"--group-size {group_size}: give a positive multiple of 32")
+    if method not in METHODS:
+        raise ConfigError(f"--method {method!r}: use one of {', '.join(METHODS)}")
     config_path = source / "config.json"
     if not config_path.is_file():
         raise ConfigError(f"{source} has no config.json; give a Hugging Face model folder")
@@ -54,6 +75,14 @@ def quantize_folder(
     if output.exists() and any(output.iterdir()):
         raise ConfigError(f"{output} is not empty; give a new folder for --output")
     output.mkdir(parents=True, exist_ok=True)
+    rounded = (
+        _gptq(source, files, group_size, calibration_text, calibration_tokens, progress)
+        if method == "gptq"
+        else None
+    )
+    head_file = _file_holding(files, "lm_head.weight") or _file_holding(
+        files, "model.embed_tokens.weight"
+    )
     skipped = {config_path.name, "model.safetensors.index.json"}  # written below
     for item in source.iterdir():  # tokenizer, generation config, templates…
         if item.is_file() and item.suffix != ".safetensors" and item.name not in skipped:
@@ -73,13 +102,17 @@ def quantize_folder(
                                 f"--group-size {group_size} does not divide the input width "
                                 f"{tensor.shape[1]} of {name}; use a multiple of 32 that does"
                             )
-                        q = quantize(tensor, group_size=group_size)
-                        tensors[f"{base}.weight_packed"] = quant_checkpoint.pack_int8(q.q)
-                        tensors[f"{base}.weight_scale"] = q.scale.contiguous()
-                        tensors[f"{base}.weight_shape"] = torch.tensor(tuple(tensor.shape))
+                        if rounded is None:
+                            q = quantize(tensor, group_size=group_size)
+                        else:
+                            q = rounded.pop(name)
+                            assert q.q.shape == tensor.shape, name
+                        tensors.update(_stored(base, q))
                         quantized += 1
-                    else:
+                    elif rounded is None or name != "lm_head.weight":
                         tensors[name] = tensor
+            if rounded is not None and path == head_file:
+                tensors.update(_stored("lm_head", rounded.pop("lm_head.weight")))
             save_file(tensors, str(output / path.name), metadata={"format": "pt"})
             weight_map.update({name: path.name for name in tensors})
     if quantized == 0:
@@ -87,9 +120,61 @@ def quantize_folder(
     if (source / "model.safetensors.index.json").exists():
         index = {"metadata": {}, "weight_map": weight_map}
         (output / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    ignore = ["lm_head"]
+    ignore = ["lm_head"] if rounded is None else []  # GPTQ rounds the head too
     if any(re.match(r".*(mlp|block_sparse_moe)\.gate\.weight$", n) for n in weight_map):
         ignore += _ROUTERS
+    if rounded is not None:
+        # the head is its own int8 tensor now; a tied config would make transformers tie
+        # the quantized head back to the embedding (and fail to load)
+        config["tie_word_embeddings"] = False
     config["quantization_config"] = quant_checkpoint.quantization_config(ignore, group_size)
     (output / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return quantized
+
+
+def _stored(base: str, q: QuantizedWeight) -> dict[str, torch.Tensor]:
+    """A quantized layer's tensors in the pack-quantized format."""
+    return {
+        f"{base}.weight_packed": quant_checkpoint.pack_int8(q.q),
+        f"{base}.weight_scale": q.scale.contiguous(),
+        f"{base}.weight_shape": torch.tensor(tuple(q.q.shape)),
+    }
+
+
+def _file_holding(files: list[Path], name: str) -> Path | None:
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            if name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                return path
+    return None
+
+
+def _gptq(
+    source: Path,
+    files: list[Path],
+    group_size: int | None,
+    text: str | None,
+    tokens: int,
+    progress: bool,
+) -> dict[str, QuantizedWeight]:
+    """The GPTQ-rounded projections and head, with scales in the checkpoint's dtype."""
+    from brook_engine.convert.gptq_calibration import gptq_weights
+    from brook_engine.kv.calibration import builtin_calibration_text
+
+    dtype: torch.dtype | None = None
+    for path in files:  # the checkpoint's dtype, and every width the groups must divide
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                piece = f.get_slice(name)
+                if name == "model.embed_tokens.weight":
+                    dtype = _DTYPES.get(piece.get_dtype())
+                width = piece.get_shape()[-1]
+                if _PROJECTION.match(name) and group_size is not None and width % group_size:
+                    raise ConfigError(
+                        f"--group-size {group_size} does not divide the input width {width} "
+                        f"of {name}; use a multiple of 32 that does"
+                    )
+    if dtype is None:
+        raise ConfigError(f"{source}: no float model.embed_tokens.weight to take the dtype from")
+    text = builtin_calibration_text() if text is None else text
+    return gptq_weights(source, dtype, group_size, text, tokens, progress)

@@ -31,7 +31,7 @@ from brook_engine.offload.plan import RankPlan
 from brook_engine.offload.setup import set_up_offload
 from brook_engine.quant import checkpoint as quant_checkpoint
 from brook_engine.quant.linear import W8A16, Int8Linear, QuantizedHead
-from brook_engine.quant.quantize import quantize
+from brook_engine.quant.quantize import QuantizedWeight, quantize
 
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
@@ -113,10 +113,16 @@ def load_model(
     model.tie_embeddings()
     load_weights(model, folder, progress=progress, skip=tuple(f"{s}." for s in streamed))
     model.eval()
+    head_q = stored_head(model, folder) if int8 is not None else None
+    if head_q is not None and not arch.tie_word_embeddings and model.lm_head is not None:
+        # an untied head stored in int8 alone: the int8 copy is all it multiplies by
+        # (float32 measurements dequantize it), so no float table is kept
+        table = model.lm_head.weight
+        model.lm_head.weight = nn.Parameter(table.new_empty((0, table.shape[1])), False)
     resident = [p for n, p in model.named_parameters() if not _under(n, streamed)]
     weight_bytes = sum(p.numel() * p.element_size() for p in resident)
     if int8 is not None and model.lm_head is not None:
-        head = QuantizedHead(model.lm_head.weight, int8.group_for(arch.hidden_size))
+        head = QuantizedHead(model.lm_head.weight, int8.group_for(arch.hidden_size), head_q)
         model.lm_head.quantized = head
         weight_bytes += head.nbytes()
     if device.type == "cpu":
@@ -371,6 +377,7 @@ def load_weights(
 
     expected = {name for name, _ in model.named_parameters() if wanted(name)}
     filled: dict[str, int] = {}
+    quantized_head = False
     files = checkpoint_files(folder)
     with tqdm(total=len(files), desc="Loading weights", unit="file", disable=not progress) as bar:
         for path in files:
@@ -383,6 +390,9 @@ def load_weights(
                     canonical, part = _canonical(name)
                     if part == "float" and f.get_slice(name).get_dtype() == "I8":
                         part = "int8"  # the int-quantized format's weight
+                    if canonical == "lm_head.weight" and part != "float":
+                        quantized_head = True  # read whole by ``stored_head``
+                        continue
                     if part in ("shape", "zero_point"):
                         _check_aside(f, path, name, part)
                         continue
@@ -400,6 +410,10 @@ def load_weights(
                         else:
                             _place(model, f, path, name, shape, place, filled)
             bar.update(1)
+    if quantized_head and "lm_head.weight" in expected and "lm_head.weight" not in filled:
+        # an untied head stored in int8 alone: ``load_model`` drops its float table
+        start, end, _ = model.shard.vocab(model.arch.vocab_size)
+        filled["lm_head.weight"] = end - start  # the padding is counted below
     if only is None:
         _zero_vocab_padding(model, filled)
     missing = sorted(n for n in expected if filled.get(n, 0) != model.get_parameter(n).shape[0])
@@ -408,6 +422,52 @@ def load_weights(
             f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         )
         raise ConfigError(f"{folder}: checkpoint lacks {shown}")
+
+
+def stored_head(model: CausalLM, folder: Path) -> QuantizedWeight | None:
+    """This rank's rows of the checkpoint's int8 LM head (``lm_head.weight_packed`` or an
+    int8 ``lm_head.weight``, and ``lm_head.weight_scale``), None where the head is stored
+    in float. Rows past the vocabulary (a tensor rank's padding) are zero."""
+    if model.lm_head is None:
+        return None
+    parts: dict[str, torch.Tensor] = {}
+    shape: tuple[int, ...] | None = None
+    for path in checkpoint_files(folder):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                if not name.startswith("lm_head.weight"):
+                    continue
+                _, part = _canonical(name)
+                if part == "float" and f.get_slice(name).get_dtype() == "I8":
+                    part = "int8"
+                if part in ("packed", "int8", "scale"):
+                    parts[part] = f.get_tensor(name)
+                elif part == "shape":
+                    shape = tuple(int(v) for v in f.get_tensor(name).tolist())
+    if "scale" not in parts or not ({"packed", "int8"} & parts.keys()):
+        if parts:
+            raise ConfigError(
+                f"{folder}: the LM head is stored quantized but lacks its "
+                f"{'weight_scale' if 'scale' not in parts else 'int8 weight'}"
+            )
+        return None
+    hidden = model.arch.hidden_size
+    if "packed" in parts:
+        if shape is not None and shape != (model.arch.vocab_size, hidden):
+            raise ConfigError(
+                f"{folder}: lm_head.weight_shape is {list(shape)}; the model's head is "
+                f"[{model.arch.vocab_size}, {hidden}]"
+            )
+        q = quant_checkpoint.unpack_int8(parts["packed"], hidden)
+    else:
+        q = parts["int8"]
+    scale = parts["scale"].reshape(q.shape[0], -1)
+    start, end, rows = model.shard.vocab(model.arch.vocab_size)
+    local_q = torch.zeros((rows, q.shape[1]), dtype=torch.int8)
+    local_scale = torch.ones((rows, scale.shape[1]), dtype=scale.dtype)
+    local_q[: end - start] = q[start:end]
+    local_scale[: end - start] = scale[start:end]
+    return QuantizedWeight(local_q, local_scale.to(model.lm_head.weight.dtype))
 
 
 def _canonical(name: str) -> tuple[str, str]:
@@ -516,7 +576,8 @@ def _place_int8(
     param = _int8_target(model, path, name, place)
     columns = param.shape[1] * (model.shard.tp_size if place.dim == 1 else 1)
     if part == "scale":
-        scale = _rows(f, name, place).reshape(shape[0], -1)
+        rows = _rows(f, name, place)  # this rank's rows of a column-parallel layer
+        scale = rows.reshape(rows.shape[0], -1)
         if place.dim == 1:
             scale = _scale_columns(scale, columns, place.src_start, param.shape[1])
         _fill_scale(model, place, scale, filled)

@@ -21,7 +21,7 @@ from torch import nn
 from brook_engine.config import ConfigError
 from brook_engine.quant import cpu_int8, npu_int8
 from brook_engine.quant.cpu_int8 import TiledWeight
-from brook_engine.quant.quantize import dequantize, quantize
+from brook_engine.quant.quantize import QuantizedWeight, dequantize, quantize
 
 
 @dataclass(frozen=True)
@@ -121,9 +121,21 @@ class QuantizedHead(nn.Module):
     """An int8 copy of the LM head (rows: vocabulary entries); the float table stays for
     the embedding of a tied model and for float32 measurements."""
 
-    def __init__(self, weight: torch.Tensor, group_size: int | None = None) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        group_size: int | None = None,
+        stored: QuantizedWeight | None = None,
+    ) -> None:
+        """``stored``: the checkpoint's own int8 head (a GPTQ-rounded folder's), used as it
+        is; otherwise ``weight`` is quantized by the min-max rule."""
         super().__init__()
-        quantized = quantize(weight.detach(), group_size=group_size)
+        if stored is not None and stored.q.shape[1] != weight.shape[1]:
+            raise ConfigError(
+                f"the checkpoint's quantized lm_head is {stored.q.shape[1]} wide; the model's "
+                f"hidden size is {weight.shape[1]}: the checkpoint does not match config.json"
+            )
+        quantized = stored or quantize(weight.detach(), group_size=group_size)
         self.scale = quantized.scale
         self.tiled = cpu_int8.tile(quantized.q, quantized.scale)
         # the tiled copy replaces the plain weight, as in ``Int8Linear``
