@@ -108,7 +108,13 @@ def _cmd_render(args: argparse.Namespace) -> int:
 def _cmd_up(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from brook_operator.local_run import LocalOptions, fetch_model, local_engine_config, run_local
+    from brook_operator.local_run import (
+        LocalOptions,
+        cluster_only_notes,
+        fetch_model,
+        local_engine_config,
+        run_local,
+    )
 
     manifests = load_manifests(args.filename)  # ManifestError: main reports it
     valid, count = _validated(manifests)
@@ -134,12 +140,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
         api_key_file=args.api_key_file,
         api_key_env=args.api_key_env,
     )
+    for note in cluster_only_notes(llmi, args.replicas):  # before a download's progress
+        print(f"note: {note}", file=sys.stderr)
     config = local_engine_config(llmi, fetch_model(llmi, options))
-    if llmi.spec.replicas and llmi.spec.replicas > 1 and args.replicas is None:
-        print(
-            f"note: spec.replicas is {llmi.spec.replicas}; `brook up` runs one replica here",
-            file=sys.stderr,
-        )
     server = config.server
     print(
         f"{valid[0].label}: serving {config.model.served_name or config.model.uri} on "

@@ -47,6 +47,33 @@ class LocalOptions:
     api_key_env: str | None = None
 
 
+def cluster_only_notes(llmi: LLMInference, replicas_flag: int | None) -> list[str]:
+    """What of ``llmi``'s spec a cluster applies and ``brook up`` does not, one line each,
+    so that nothing the manifest asks for is dropped without a word."""
+    spec = llmi.spec
+    notes = []
+    if spec.replicas and spec.replicas > 1 and replicas_flag is None:
+        notes.append(f"spec.replicas is {spec.replicas}; `brook up` runs one replica here")
+    if spec.autoscaling is not None:
+        notes.append("spec.autoscaling sizes a cluster's replicas; `brook up` runs one")
+    if spec.router is not None:
+        notes.append(
+            "spec.router renders an InferencePool and HTTPRoute in a cluster; `brook up` "
+            "serves directly, without a gateway"
+        )
+    if spec.model.cache is not None:
+        notes.append(
+            "spec.model.cache is a cluster volume; `brook up` uses --model FOLDER, or "
+            "downloads an hf:// model into the Hugging Face cache"
+        )
+    if spec.pod is not None:
+        notes.append(
+            "spec.pod (environment, volumes, sidecars…) is added to the cluster's pods; "
+            "`brook up` runs the engine as a process of this shell"
+        )
+    return notes
+
+
 def fetch_model(llmi: LLMInference, options: LocalOptions) -> LocalOptions:
     """``options`` with the model's folder: an ``hf://`` model without ``--model`` is
     downloaded into the Hugging Face cache first (as the pod's init container downloads it;

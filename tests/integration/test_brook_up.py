@@ -66,6 +66,26 @@ def test_what_it_cannot_run_is_refused_with_the_fix(tmp_path: Path) -> None:
         local_engine_config(keyed, LocalOptions(model=tmp_path))
 
 
+def test_what_only_a_cluster_applies_is_named(tmp_path: Path) -> None:
+    """Nothing the manifest asks for is dropped without a word: each cluster-only field
+    set gets its own note; a manifest with none gets none."""
+    from brook_operator.local_run import cluster_only_notes
+
+    plain = _llmi(ROOT / "crds" / "examples" / "smollm2-cpu.yaml")  # 2 replicas
+    assert cluster_only_notes(plain, 1) == []
+    routed = _llmi(ROOT / "crds" / "examples" / "qwen-7b-autoscaled.yaml")
+    notes = " | ".join(cluster_only_notes(routed, None))
+    assert "spec.autoscaling" in notes and "spec.router" in notes
+    pods = _llmi(ROOT / "crds" / "examples" / "llama-70b-npu-tp8.yaml")
+    assert any(n.startswith("spec.pod ") for n in cluster_only_notes(pods, None))
+    spec = {**plain.spec.model_dump(by_alias=True, exclude_none=True), "replicas": 3}
+    spec["model"] = {**spec["model"], "cache": {"claimName": "models"}}
+    both = LLMInference.model_validate({**plain.model_dump(by_alias=True), "spec": spec})
+    notes = cluster_only_notes(both, None)
+    assert [n.split()[0] for n in notes] == ["spec.replicas", "spec.model.cache"]
+    assert [n.split()[0] for n in cluster_only_notes(both, 1)] == ["spec.model.cache"]
+
+
 def test_cli_refusals_name_the_flag(
     make_tiny_model: Callable[..., Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
