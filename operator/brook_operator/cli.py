@@ -277,6 +277,8 @@ def _cmd_autoscale_simulate(args: argparse.Namespace) -> int:
             names,
             args.slo_ttft,
             args.oracle_headroom,
+            args.router,
+            args.read_gateway_queue,
         )
         if args.plot:
             title = f"{args.trace} on {profile.name}" + (
@@ -294,6 +296,8 @@ def _cmd_autoscale_simulate(args: argparse.Namespace) -> int:
             "profile": profile.name,
             "slo_ttft_s": comparison.slo_seconds,
             "rate_scale": args.rate_scale,
+            "router": args.router,
+            "read_gateway_queue": args.read_gateway_queue,
             "policies": comparison.rows,
         }
         print(json.dumps(out, indent=2))
@@ -513,6 +517,21 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="replicas start without a warm compile cache (the profile's "
         "cold_start_uncached_seconds instead of cold_start_seconds)",
+    )
+    simulate.add_argument(
+        "--router",
+        choices=("service", "least-loaded", "flow-control"),
+        default="least-loaded",
+        help="how requests reach replicas: service (a Kubernetes Service, random), "
+        "least-loaded (an endpoint picker reading the engines' metrics; the default) or "
+        "flow-control (held at the gateway until a replica has room)",
+    )
+    simulate.add_argument(
+        "--read-gateway-queue",
+        action="store_true",
+        help="with --router flow-control: Brook's policy also counts the requests held at the "
+        "gateway as waiting (what reading the endpoint picker's queue would give; the "
+        "operator's loop reads only the engines today)",
     )
     simulate.add_argument(
         "--rate-scale",

@@ -3,6 +3,7 @@ scores, the shipped traces and the ``brook autoscale simulate`` command (tiny tr
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import itertools
 import json
@@ -10,6 +11,7 @@ import math
 import random
 import subprocess
 import sys
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from brook_operator.autoscaler.simulate import (
     Autoscaled,
     Profile,
     Request,
+    RunResult,
     SimulationError,
     compare,
     load_profile,
@@ -36,8 +39,9 @@ from brook_operator.autoscaler.simulate import (
 from brook_operator.autoscaler.simulate.baselines import attainment, autoscaled
 from brook_operator.autoscaler.simulate.oracle import Oracle, oracle
 from brook_operator.autoscaler.simulate.profile import StepSeconds
-from brook_operator.autoscaler.simulate.replica import Outcome
+from brook_operator.autoscaler.simulate.replica import Job, Outcome, Replica
 from brook_operator.autoscaler.simulate.report import reversals, summary
+from brook_operator.autoscaler.simulate.router import Router, has_room
 from brook_operator.autoscaler.simulate.run import _Fleet
 from brook_operator.autoscaler.simulate.trace import TRACES_DIR, parse_trace, trace_text
 from brook_operator.cli import main
@@ -481,3 +485,74 @@ def test_the_simulator_loads_nothing_heavy() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     assert out.stdout.strip() == "[]"
+
+
+# -- routers -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("router", ["service", "least-loaded", "flow-control"])
+def test_every_router_serves_every_request_once(router: str) -> None:
+    """Fixed and autoscaled fleets, a surge past what the fleet holds: nothing is lost or
+    served twice, whatever routes it."""
+    requests = _trace((3.0, 0, 60), (25.0, 60, 120), (3.0, 120, 180))
+    for fleet in (None, autoscaled("brook", _spec())):
+        result = simulate(requests, _profile(), 2, fleet, router=router)
+        assert result.completed == len(requests)
+        assert not any(math.isnan(t) for t in result.ttft)
+        assert all(f >= a for f, a in zip(result.finished, result.arrivals, strict=True))
+
+
+def test_a_service_picks_at_random_and_the_run_repeats() -> None:
+    requests = _trace((12.0, 0, 120))
+    runs = [simulate(requests, _profile(), 3, router="service") for _ in range(2)]
+    assert runs[0].ttft == runs[1].ttft  # seeded
+    picked = simulate(requests, _profile(), 3, router="least-loaded")
+    assert max(runs[0].ttft) > max(picked.ttft)  # blind picks queue behind busy replicas
+
+
+def test_flow_control_holds_requests_until_a_replica_has_room() -> None:
+    profile = _profile()
+    replicas = [Replica(f"r{i}", profile, 0.0, 0.0, Outcome(40, 1.0)) for i in range(2)]
+    gateway = deque(Job(i, 0.0, 200, 20) for i in range(40))
+    Router("flow-control").route(gateway, replicas)
+    assert [len(r.waiting) for r in replicas] == [8, 8]  # a batch slot each, no more
+    assert len(gateway) == 24 and gateway[0].index == 16  # the rest wait in order
+    assert not has_room(replicas[0], gateway[0])
+    tight = Replica("tight", _profile(kv_cache_tokens=300), 0.0, 0.0, Outcome(1, 1.0))
+    assert not has_room(tight, Job(0, 0.0, 400, 20))  # KV for the prompt, too
+    Router("least-loaded").route(gateway, replicas)
+    assert not gateway and [len(r.waiting) for r in replicas] == [20, 20]
+    with pytest.raises(SimulationError, match="router 'random'"):
+        Router("random")
+
+
+def test_flow_control_moves_queued_work_but_hides_it_from_the_engines() -> None:
+    """A surge on one replica while more start. Pushed requests stay queued where they
+    landed; held ones go to whichever replica frees first, the new ones included, so with
+    the gateway's queue read the tail is far shorter. Without it the backlog is invisible:
+    the engines show full batches and empty queues, and the fleet never grows."""
+    requests = _trace((2.0, 0, 30), (30.0, 30, 60), (2.0, 60, 240))
+    runs = {}
+    for router, reads in (("least-loaded", False), ("flow-control", False), ("flow-control", True)):
+        fleet = dataclasses.replace(autoscaled("brook", _spec()), reads_gateway_queue=reads)
+        runs[router, reads] = simulate(requests, _profile(), 1, fleet, router=router)
+
+    def p99(result: RunResult) -> float:
+        return sorted(result.ttft)[int(0.99 * len(result.ttft))]
+
+    pushed, blind, held = runs.values()
+    assert p99(held) < 0.5 * p99(pushed), (p99(held), p99(pushed))
+    assert held.replica_seconds < pushed.replica_seconds
+    assert max(n for _, n in blind.timeline) == 1 and p99(blind) > p99(pushed)
+
+
+def test_reading_the_gateway_queue_is_for_flow_control(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    requests = _trace((20.0, 0, 60))
+    with pytest.raises(SimulationError, match="applies to the flow-control router"):
+        compare(requests, _profile(), _spec(), ["brook"], reads_gateway_queue=True)
+    seen = compare(
+        requests, _profile(), _spec(), ["brook"], router="flow-control", reads_gateway_queue=True
+    )
+    assert seen.rows["brook"]["completed"] == len(requests)

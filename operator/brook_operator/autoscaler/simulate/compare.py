@@ -4,6 +4,8 @@ requested policy, scored by ``report.summary``."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +19,7 @@ from brook_operator.autoscaler.simulate import baselines
 from brook_operator.autoscaler.simulate.oracle import ORACLES, oracle
 from brook_operator.autoscaler.simulate.profile import Profile
 from brook_operator.autoscaler.simulate.report import summary
+from brook_operator.autoscaler.simulate.router import DEFAULT_ROUTER, Router
 from brook_operator.autoscaler.simulate.run import Autoscaled, RunResult, simulate
 from brook_operator.autoscaler.simulate.simulation_error import SimulationError
 from brook_operator.autoscaler.simulate.trace import Request
@@ -67,14 +70,26 @@ def compare(
     names: Sequence[str] = baselines.POLICIES,
     slo_seconds: float | None = None,
     oracle_headroom: float = 1.0,
+    router: str = DEFAULT_ROUTER,
+    reads_gateway_queue: bool = False,
 ) -> Comparison:
+    """Every policy in ``names`` on the same trace and profile, each fleet behind ``router``
+    (``simulate.router``); with ``reads_gateway_queue`` (flow control only) the autoscaled
+    policies also count the requests held at the gateway."""
     unknown = [n for n in names if n not in baselines.POLICIES]
     if unknown:
         raise SimulationError(
             f"unknown policies {', '.join(unknown)}; choose from {', '.join(baselines.POLICIES)}"
         )
     slo = profile.ttft_slo_seconds if slo_seconds is None else slo_seconds
-    peak = baselines.static_peak(requests, profile, slo, spec.max_replicas)
+    Router(router)  # an unknown mode fails before any run
+    if reads_gateway_queue and router != "flow-control":
+        raise SimulationError(
+            f"reading the gateway's queue applies to the flow-control router (it holds "
+            f"requests); the {router} router sends every request on at once"
+        )
+    run = functools.partial(simulate, router=router)
+    peak = baselines.static_peak(requests, profile, slo, spec.max_replicas, run)
     demand = baselines.demand_windows(requests)
     top = max(demand)
     initial = min(
@@ -90,7 +105,7 @@ def compare(
             extra: dict[str, Any] = {"replicas": peak.replicas, "meets_slo": peak.meets_slo}
         elif name == "static-mean":
             mean = baselines.scaled_to_demand(peak.replicas, sum(demand) / len(demand), top)
-            result = simulate(requests, profile, mean, None, slo)
+            result = run(requests, profile, mean, None, slo)
             extra = {"replicas": mean}
         elif name in ORACLES:
             bound = oracle(
@@ -102,16 +117,19 @@ def compare(
                 min_replicas=spec.min_replicas,
                 max_replicas=spec.max_replicas,
             )
-            result = simulate(
+            result = run(
                 requests, profile, initial, Autoscaled(None, spec.interval_seconds, bound), slo
             )
             extra = {"initial_replicas": initial, "headroom": oracle_headroom}
         else:
-            result = simulate(
+            result = run(
                 requests,
                 profile,
                 initial,
-                baselines.autoscaled(name, spec, profile.max_num_seqs),
+                dataclasses.replace(
+                    baselines.autoscaled(name, spec, profile.max_num_seqs),
+                    reads_gateway_queue=reads_gateway_queue,
+                ),
                 slo,
             )
             extra = {"initial_replicas": initial}

@@ -6,9 +6,11 @@ since the last boundary (conservative: none is routed before the boundary at or 
 arrival), then advance every replica to the next boundary. The run goes on past the last
 arrival until every request has finished.
 
-Routing: a new request goes to the serving replica (ready, not draining) with the fewest
-requests waiting or in prefill, ties to the one holding the least KV; with no serving replica
-it waits at the gateway. Scale-up adds replicas that serve after ``cold_start_seconds``.
+Routing (``router``): by default a new request goes to the serving replica (ready, not
+draining) with the fewest requests waiting or in prefill, ties to the one holding the least
+KV; ``service`` picks at random, ``flow-control`` holds requests at the gateway until a
+replica has room (``simulate.router``). With no serving replica a request waits at the
+gateway. Scale-up adds replicas that serve after ``cold_start_seconds``.
 Scale-in removes replicas that are still starting first (as a ReplicaSet does), then drains
 the ready replicas holding the least KV: a draining replica takes no new requests, finishes
 what it has and then disappears.
@@ -24,6 +26,7 @@ from brook_operator.autoscaler.policy import Policy, Recommendation, ReplicaSign
 from brook_operator.autoscaler.simulate.oracle import Oracle
 from brook_operator.autoscaler.simulate.profile import Profile
 from brook_operator.autoscaler.simulate.replica import Job, Outcome, Replica
+from brook_operator.autoscaler.simulate.router import DEFAULT_ROUTER, Router
 from brook_operator.autoscaler.simulate.simulation_error import SimulationError
 from brook_operator.autoscaler.simulate.trace import Request
 
@@ -40,6 +43,9 @@ class Autoscaled:
     policy: Policy | None
     interval_seconds: float
     oracle: Oracle | None = None
+    reads_gateway_queue: bool = False
+    """The policy also counts requests held at the gateway as waiting (what reading the
+    endpoint picker's flow-control queue would give; Brook's loop reads only the engines)."""
 
     def __post_init__(self) -> None:
         if (self.policy is None) == (self.oracle is None):
@@ -110,9 +116,13 @@ class _Fleet:
         )
 
 
-def signals_of(replicas: Sequence[Replica], now: float) -> list[ReplicaSignals]:
-    """What each non-draining replica's /metrics would say now."""
+def signals_of(replicas: Sequence[Replica], now: float, held: int = 0) -> list[ReplicaSignals]:
+    """What each non-draining replica's /metrics would say now; ``held`` requests waiting
+    at the gateway are counted as waiting, shared evenly by the ready replicas (the queue
+    the autoscaler reads from the endpoint picker under flow control)."""
     out = []
+    num_ready = sum(1 for r in replicas if r.is_ready(now))
+    extra = held / num_ready if num_ready else 0.0
     for r in replicas:
         ready = r.is_ready(now)
         out.append(
@@ -121,7 +131,7 @@ def signals_of(replicas: Sequence[Replica], now: float) -> list[ReplicaSignals]:
                 ready=ready,
                 age_seconds=now - r.created,
                 kv_cache_usage=min(1.0, r.kv_held / r.profile.kv_cache_tokens) if ready else None,
-                waiting_requests=float(len(r.waiting)) if ready else None,
+                waiting_requests=float(len(r.waiting)) + extra if ready else None,
                 running_requests=float(r.num_running) if ready else None,
                 overlap_ratio=r.profile.overlap_ratio(r.num_decoding) if ready else None,
                 sample_age_seconds=0.0 if ready else None,
@@ -147,6 +157,7 @@ def simulate(
     autoscaled: Autoscaled | None = None,
     slo_seconds: float | None = None,
     max_misses: int | None = None,
+    router: str = DEFAULT_ROUTER,
 ) -> RunResult:
     """Replay ``requests`` on ``replicas`` warm replicas, resized by ``autoscaled`` if given.
 
@@ -157,6 +168,7 @@ def simulate(
     if not requests:
         raise SimulationError("the trace has no requests")
     check_fits(requests, profile)
+    routing = Router(router)
     slo = profile.ttft_slo_seconds if slo_seconds is None else slo_seconds
     outcome = Outcome(len(requests), slo)
     jobs = [Job(i, r.arrival_s, r.input_tokens, r.output_tokens) for i, r in enumerate(requests)]
@@ -182,12 +194,15 @@ def simulate(
         now = tick * TICK_SECONDS
         if autoscaled and now >= next_decision - 1e-9:
             next_decision += autoscaled.interval_seconds
-            _scale(fleet, autoscaled, history, now, result)
+            seen = len(gateway) if autoscaled.reads_gateway_queue else 0
+            _scale(fleet, autoscaled, history, now, result, seen)
         while next_job < len(jobs) and jobs[next_job].arrival <= now:
             gateway.append(jobs[next_job])
             next_job += 1
         if gateway:
-            _route(fleet, gateway, now)
+            routing.route(
+                gateway, [r for r in fleet.replicas if not r.draining and r.is_ready(now)]
+            )
         for replica in fleet.replicas:
             replica.advance(now, TICK_SECONDS)
         tick += 1
@@ -211,22 +226,13 @@ def simulate(
     return result
 
 
-def _route(fleet: _Fleet, gateway: deque[Job], now: float) -> None:
-    serving = [r for r in fleet.replicas if not r.draining and r.is_ready(now)]
-    if not serving:
-        return
-    while gateway:
-        job = gateway.popleft()
-        best = min(serving, key=lambda r: (len(r.waiting) + len(r.prefilling), r.kv_held))
-        best.add(job)
-
-
 def _scale(
     fleet: _Fleet,
     autoscaled: Autoscaled,
     history: list[Recommendation],
     now: float,
     result: RunResult,
+    held: int = 0,
 ) -> None:
     active = fleet.active()
     if autoscaled.oracle is not None:
@@ -237,7 +243,7 @@ def _scale(
     else:
         policy = autoscaled.policy
         assert policy is not None  # Autoscaled holds one of the two
-        decision = decide(signals_of(active, now), len(active), policy, history, now)
+        decision = decide(signals_of(active, now, held), len(active), policy, history, now)
         result.decisions.append(
             (now, decision.current, decision.desired, decision.limited_by, decision.reason)
         )
