@@ -245,17 +245,28 @@ def _cmd_operator(args: argparse.Namespace) -> int:
     return 0
 
 
+#: what a replica's start costs before the engine's process runs (scheduling, container)
+DEFAULT_POD_START = 5.0
+
+
 def _cmd_autoscale_simulate(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
     from brook_operator.autoscaler import simulate as sim
+    from brook_operator.autoscaler.simulate.profile import with_measured_start
     from brook_operator.autoscaler.simulate.report import plot, table, write_decisions
 
     try:
         trace_path = sim.resolve_trace(args.trace)
         requests = sim.scale_rate(sim.read_trace(trace_path), args.rate_scale)
         profile = sim.load_profile(args.profile)
+        if args.cold_start_from is not None:
+            profile = with_measured_start(
+                profile, Path(args.cold_start_from), args.pod_start_seconds
+            )
+        elif args.pod_start_seconds != DEFAULT_POD_START:
+            raise sim.SimulationError("--pod-start-seconds applies with --cold-start-from")
         if args.uncached_start:
             if profile.cold_start_uncached_seconds is None:
                 raise sim.SimulationError(
@@ -296,6 +307,7 @@ def _cmd_autoscale_simulate(args: argparse.Namespace) -> int:
             "profile": profile.name,
             "slo_ttft_s": comparison.slo_seconds,
             "rate_scale": args.rate_scale,
+            "cold_start_s": profile.cold_start_seconds,
             "router": args.router,
             "read_gateway_queue": args.read_gateway_queue,
             "policies": comparison.rows,
@@ -517,6 +529,20 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="replicas start without a warm compile cache (the profile's "
         "cold_start_uncached_seconds instead of cold_start_seconds)",
+    )
+    simulate.add_argument(
+        "--cold-start-from",
+        metavar="FILE",
+        help="take the replicas' starts from a `brook-engine bench --workload cold-start "
+        "--json` report (the warm-cache start, and the empty-cache one for --uncached-start) "
+        "instead of the profile's",
+    )
+    simulate.add_argument(
+        "--pod-start-seconds",
+        type=float,
+        default=DEFAULT_POD_START,
+        help="with --cold-start-from: seconds added to each measured start for scheduling the "
+        f"pod and starting its container (default {DEFAULT_POD_START:g})",
     )
     simulate.add_argument(
         "--router",

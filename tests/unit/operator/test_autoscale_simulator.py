@@ -424,6 +424,32 @@ def test_cli_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*args[:-1], str(uncached), "--policies", "brook", "--uncached-start"]) == 0
 
 
+def test_measured_starts_come_from_the_cold_start_bench(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The report ``brook-engine bench --workload cold-start --json`` writes: each start's
+    median to the first token, plus the pod's own start."""
+    trace, profile = _tiny_files(tmp_path)
+    report = tmp_path / "cold-start.json"
+    starts = {
+        "eager": {"ready": 9.0, "first_token": 11.6, "compile": 0.0},
+        "compile, empty cache": {"ready": 50.0, "first_token": 55.2, "compile": 40.0},
+        "compile, warm cache": {"ready": 7.9, "first_token": 8.3, "compile": 0.1},
+    }
+    report.write_text(json.dumps({"starts": starts, "rounds": {}}))
+    args = ["autoscale", "simulate", "--trace", str(trace), "--profile", str(profile)]
+    args += ["--policies", "brook", "--json", "--cold-start-from", str(report)]
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["cold_start_s"] == pytest.approx(13.3)
+    assert main([*args, "--uncached-start", "--pod-start-seconds", "0"]) == 0
+    assert json.loads(capsys.readouterr().out)["cold_start_s"] == pytest.approx(55.2)
+    report.write_text(json.dumps({"starts": {"eager": starts["eager"]}}))
+    assert main(args) == 2
+    assert "not a cold-start report" in capsys.readouterr().err
+    assert main([*args[:-2], "--pod-start-seconds", "3"]) == 2
+    assert "--pod-start-seconds applies with --cold-start-from" in capsys.readouterr().err
+
+
 def test_cli_bad_policy_file_exits_2_naming_the_field(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

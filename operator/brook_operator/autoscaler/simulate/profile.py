@@ -94,6 +94,35 @@ class Profile(_Strict):
         return points[-1][1]
 
 
+#: the engine's bench names for its starts (``brook-engine bench --workload cold-start``)
+WARM_START, UNCACHED_START = "compile, warm cache", "compile, empty cache"
+
+
+def with_measured_start(profile: Profile, bench: Path, pod_start_seconds: float) -> Profile:
+    """``profile`` with its starts from a ``brook-engine bench --workload cold-start --json``
+    report: each start's median seconds from process start to the first token, plus
+    ``pod_start_seconds`` for scheduling the pod and starting its container."""
+    if not pod_start_seconds >= 0:
+        raise SimulationError(f"--pod-start-seconds {pod_start_seconds:g}: give 0 or more")
+    try:
+        starts = json.loads(bench.read_text(encoding="utf-8"))["starts"]
+        warm = float(starts[WARM_START]["first_token"])
+        uncached = float(starts[UNCACHED_START]["first_token"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SimulationError(
+            f"{bench}: not a cold-start report ({type(exc).__name__}: {exc}); write one with "
+            "`brook-engine bench --model MODEL --workload cold-start --json > FILE`"
+        ) from None
+    if not (warm >= 0 and uncached >= 0) or max(warm, uncached) == float("inf"):
+        raise SimulationError(f"{bench}: the starts must be finite seconds, not {warm}, {uncached}")
+    return profile.model_copy(
+        update={
+            "cold_start_seconds": warm + pod_start_seconds,
+            "cold_start_uncached_seconds": uncached + pod_start_seconds,
+        }
+    )
+
+
 def shipped_profiles() -> list[str]:
     return sorted(p.stem for p in PROFILES_DIR.glob("*.json"))
 
