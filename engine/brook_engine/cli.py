@@ -515,7 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument(
         "--calibration-tokens",
         type=int,
-        default=2048,
+        default=None,
         help="with --method gptq: how many tokens of the text to calibrate on (default 2048, "
         "at least 256)",
     )
@@ -535,7 +535,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         ("--group-size", args.group_size is not None),
         ("--method", args.method != "minmax"),
         ("--calibration-text", args.calibration_text is not None),
-        ("--calibration-tokens", args.calibration_tokens != 2048),
+        ("--calibration-tokens", args.calibration_tokens is not None),
     ):
         if given:
             print(f"error: {flag} applies with --quantize w8a16", file=sys.stderr)
@@ -558,6 +558,7 @@ def _quantize(args: argparse.Namespace) -> int:
     import tempfile
 
     from brook_engine.convert import convert_gguf, find_packaged_smollm2
+    from brook_engine.convert.gptq_calibration import DEFAULT_TOKENS
     from brook_engine.convert.w8a16 import quantize_folder
 
     given = Path(args.gguf) if args.gguf else find_packaged_smollm2()
@@ -565,7 +566,7 @@ def _quantize(args: argparse.Namespace) -> int:
         print("error: give a model folder to quantize", file=sys.stderr)
         return 2
     if args.method != "gptq" and (
-        args.calibration_text is not None or args.calibration_tokens != 2048
+        args.calibration_text is not None or args.calibration_tokens is not None
     ):
         print(
             "error: --calibration-text/--calibration-tokens apply with --method gptq",
@@ -596,7 +597,7 @@ def _quantize(args: argparse.Namespace) -> int:
             args.group_size,
             method=args.method,
             calibration_text=text,
-            calibration_tokens=args.calibration_tokens,
+            calibration_tokens=args.calibration_tokens or DEFAULT_TOKENS,
         )
     print(f"wrote {args.output}: {count} projections in W8A16 (compressed-tensors)")
     return 0

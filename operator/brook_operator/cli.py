@@ -262,10 +262,11 @@ def _cmd_autoscale_simulate(args: argparse.Namespace) -> int:
         requests = sim.scale_rate(sim.read_trace(trace_path), args.rate_scale)
         profile = sim.load_profile(args.profile)
         if args.cold_start_from is not None:
-            profile = with_measured_start(
-                profile, Path(args.cold_start_from), args.pod_start_seconds
+            pod_start = (
+                DEFAULT_POD_START if args.pod_start_seconds is None else args.pod_start_seconds
             )
-        elif args.pod_start_seconds != DEFAULT_POD_START:
+            profile = with_measured_start(profile, Path(args.cold_start_from), pod_start)
+        elif args.pod_start_seconds is not None:
             raise sim.SimulationError("--pod-start-seconds applies with --cold-start-from")
         if args.uncached_start:
             if profile.cold_start_uncached_seconds is None:
@@ -332,6 +333,7 @@ def _cmd_autoscale_simulate(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from brook_operator.autoscaler.simulate.baselines import POLICIES
+    from brook_operator.autoscaler.simulate.router import DEFAULT_ROUTER, ROUTERS
 
     parser = argparse.ArgumentParser(
         prog="brook", description="Brook: LLM inference on Kubernetes NPU clusters."
@@ -540,14 +542,14 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument(
         "--pod-start-seconds",
         type=float,
-        default=DEFAULT_POD_START,
+        default=None,
         help="with --cold-start-from: seconds added to each measured start for scheduling the "
         f"pod and starting its container (default {DEFAULT_POD_START:g})",
     )
     simulate.add_argument(
         "--router",
-        choices=("service", "least-loaded", "flow-control"),
-        default="least-loaded",
+        choices=ROUTERS,
+        default=DEFAULT_ROUTER,
         help="how requests reach replicas: service (a Kubernetes Service, random), "
         "least-loaded (an endpoint picker reading the engines' metrics; the default) or "
         "flow-control (held at the gateway until a replica has room)",
@@ -555,8 +557,8 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument(
         "--read-gateway-queue",
         action="store_true",
-        help="with --router flow-control: Brook's policy also counts the requests held at the "
-        "gateway as waiting (what reading the endpoint picker's queue would give; the "
+        help="with --router flow-control: the autoscaled policies also count the requests held "
+        "at the gateway as waiting (what reading the endpoint picker's queue would give; the "
         "operator's loop reads only the engines today)",
     )
     simulate.add_argument(

@@ -54,6 +54,18 @@ def cluster_only_notes(llmi: LLMInference, replicas_flag: int | None) -> list[st
     notes = []
     if spec.replicas and spec.replicas > 1 and replicas_flag is None:
         notes.append(f"spec.replicas is {spec.replicas}; `brook up` runs one replica here")
+    if spec.replicas == 0 or spec.suspend:
+        why = "spec.suspend is true" if spec.suspend else "spec.replicas is 0"
+        notes.append(f"{why.split()[0]}: {why}, so a cluster runs no replica; `brook up` runs one")
+    if spec.image is not None:
+        notes.append(f"spec.image {spec.image} is the pods'; `brook up` runs this machine's engine")
+    if spec.resources != type(spec.resources)():
+        notes.append(
+            "spec.resources (CPU and memory requests and limits) applies to the pods; "
+            "`brook up` runs without limits"
+        )
+    if spec.scheduling != type(spec.scheduling)():
+        notes.append("spec.scheduling (node selection, tolerations, gangs) is the cluster's")
     if spec.autoscaling is not None:
         notes.append("spec.autoscaling sizes a cluster's replicas; `brook up` runs one")
     if spec.router is not None:

@@ -71,8 +71,17 @@ def test_what_only_a_cluster_applies_is_named(tmp_path: Path) -> None:
     set gets its own note; a manifest with none gets none."""
     from brook_operator.local_run import cluster_only_notes
 
-    plain = _llmi(ROOT / "crds" / "examples" / "smollm2-cpu.yaml")  # 2 replicas
+    example = _llmi(ROOT / "crds" / "examples" / "smollm2-cpu.yaml")  # an hf:// model
+    bare = example.spec.model_dump(by_alias=True, exclude_none=True)
+    bare = {k: v for k, v in bare.items() if k not in ("resources", "image", "scheduling")}
+    bare["replicas"] = 1
+    plain = LLMInference.model_validate({**example.model_dump(by_alias=True), "spec": bare})
     assert cluster_only_notes(plain, 1) == []
+    resourced = _llmi(ROOT / "crds" / "examples" / "smollm2-cpu.yaml")  # 2 replicas, resources
+    assert [n.split()[0] for n in cluster_only_notes(resourced, None)] == [
+        "spec.replicas",
+        "spec.resources",
+    ]
     routed = _llmi(ROOT / "crds" / "examples" / "qwen-7b-autoscaled.yaml")
     notes = " | ".join(cluster_only_notes(routed, None))
     assert "spec.autoscaling" in notes and "spec.router" in notes
@@ -84,6 +93,11 @@ def test_what_only_a_cluster_applies_is_named(tmp_path: Path) -> None:
     notes = cluster_only_notes(both, None)
     assert [n.split()[0] for n in notes] == ["spec.replicas", "spec.model.cache"]
     assert [n.split()[0] for n in cluster_only_notes(both, 1)] == ["spec.model.cache"]
+    spec = {**spec, "replicas": 0, "image": "registry.example/brook-engine:1"}
+    off = LLMInference.model_validate({**plain.model_dump(by_alias=True), "spec": spec})
+    notes = cluster_only_notes(off, None)
+    assert notes[0].startswith("spec.replicas: spec.replicas is 0") and "runs one" in notes[0]
+    assert notes[1].startswith("spec.image registry.example/brook-engine:1")
 
 
 def test_cli_refusals_name_the_flag(

@@ -42,6 +42,9 @@ def _cell(value: Any, fmt: str) -> str:
 
 
 def bench(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    if args.quantized is not None and args.workload != "w8a16-quality":
+        print("error: --quantized applies to --workload w8a16-quality", file=sys.stderr)
+        return 2
     if args.workload == "cold-start":
         from brook_engine.bench.cold_start import bench_cold_start
 
@@ -54,9 +57,6 @@ def bench(args: argparse.Namespace, options: dict[str, Any]) -> int:
         from brook_engine.bench.parallel_layouts import bench_parallel
 
         return bench_parallel(args, options)
-    if args.quantized is not None and args.workload != "w8a16-quality":
-        print("error: --quantized applies to --workload w8a16-quality", file=sys.stderr)
-        return 2
     if args.workload != "random":
         return _bench_kv(args, options)
     if args.mode == "serve":

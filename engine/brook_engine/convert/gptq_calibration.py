@@ -51,6 +51,11 @@ def calibration_chunks(token_ids: list[int], tokens: int, chunk: int = CHUNK) ->
             f"the calibration text holds {len(token_ids)} tokens; GPTQ needs at least "
             f"{MIN_TOKENS}: give a longer --calibration-text"
         )
+    if len(token_ids) < tokens:
+        raise ConfigError(
+            f"--calibration-tokens {tokens}: the calibration text holds only "
+            f"{len(token_ids)} tokens; give a longer --calibration-text or fewer tokens"
+        )
     ids = token_ids[:tokens]
     return [ids[i : i + chunk] for i in range(0, len(ids), chunk) if len(ids[i : i + chunk]) > 1]
 
@@ -69,6 +74,7 @@ def gptq_weights(
     from brook_engine.llm import engine_config_from_options
 
     options: dict[str, Any] = {
+        "device": "cpu",  # the statistics and the rounding are CPU tensors (float32 memory)
         "dtype": "float32",
         "max_model_len": CHUNK,
         "kv_cache": {  # exact, and room for one prefill only (not the default share of RAM)
@@ -97,7 +103,7 @@ def gptq_weights(
             modules = {name: layer.get_submodule(name) for name in _FUSED}
             stats = _measure(engine, chunks, list(modules.values()), modules["mlp.down_proj"])
             for name, module in modules.items():
-                q = gptq_quantize(_weight(module), stats[module], scale_dtype, group_size)
+                q = _round(f"model.layers.{index}.{name}", module, stats, scale_dtype, group_size)
                 products.add(module, q.dequantize(torch.float32))
                 rounded.update(_split(arch, index, name, q))
             bar.update(1)
@@ -105,9 +111,25 @@ def gptq_weights(
         assert head is not None
         stats = _measure(engine, chunks, [head], None)
         table = _weight(head)[: arch.vocab_size]
-        rounded["lm_head.weight"] = gptq_quantize(table, stats[head], scale_dtype, group_size)
+        try:
+            rounded["lm_head.weight"] = gptq_quantize(table, stats[head], scale_dtype, group_size)
+        except RuntimeError as exc:
+            raise ConfigError(f"GPTQ failed on lm_head: {exc}") from None
         bar.update(1)
     return rounded
+
+
+def _round(
+    where: str,
+    module: nn.Module,
+    stats: dict[nn.Module, torch.Tensor],
+    scale_dtype: torch.dtype,
+    group_size: int | None,
+) -> QuantizedWeight:
+    try:
+        return gptq_quantize(_weight(module), stats[module], scale_dtype, group_size)
+    except RuntimeError as exc:  # statistics too degenerate even damped
+        raise ConfigError(f"GPTQ failed on {where}: {exc}") from None
 
 
 def _measure(

@@ -28,7 +28,8 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from brook_engine.config import ConfigError
-from brook_engine.convert.gptq_calibration import DEFAULT_TOKENS
+from brook_engine.convert.gptq_calibration import DEFAULT_TOKENS, MIN_TOKENS
+from brook_engine.models.arch import ModelArch
 from brook_engine.quant import checkpoint as quant_checkpoint
 from brook_engine.quant.quantize import QuantizedWeight, quantize
 
@@ -63,12 +64,19 @@ def quantize_folder(
         raise ConfigError(f"--group-size {group_size}: give a positive multiple of 32")
     if method not in METHODS:
         raise ConfigError(f"--method {method!r}: use one of {', '.join(METHODS)}")
+    if method == "gptq" and calibration_tokens < MIN_TOKENS:
+        raise ConfigError(f"--calibration-tokens {calibration_tokens}: give at least {MIN_TOKENS}")
     config_path = source / "config.json"
     if not config_path.is_file():
         raise ConfigError(f"{source} has no config.json; give a Hugging Face model folder")
     config = json.loads(config_path.read_text(encoding="utf-8"))
     if config.get("quantization_config") or config.get("compression_config"):
         raise ConfigError(f"{source} is quantized already (config.json: quantization_config)")
+    if method == "gptq" and ModelArch.from_dict(config, str(config_path)).experts is not None:
+        raise ConfigError(
+            f"--method gptq rounds dense models; {source} is a mixture of experts "
+            "(convert it with the default --method minmax)"
+        )
     files = sorted(source.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"{source} holds no *.safetensors weights")
@@ -80,9 +88,11 @@ def quantize_folder(
         if method == "gptq"
         else None
     )
-    head_file = _file_holding(files, "lm_head.weight") or _file_holding(
-        files, "model.embed_tokens.weight"
-    )
+    head_file = None
+    if rounded is not None:  # where the int8 head goes: beside the float one, or the embedding
+        head_file = _file_holding(files, "lm_head.weight") or _file_holding(
+            files, "model.embed_tokens.weight"
+        )
     skipped = {config_path.name, "model.safetensors.index.json"}  # written below
     for item in source.iterdir():  # tokenizer, generation config, templates…
         if item.is_file() and item.suffix != ".safetensors" and item.name not in skipped:
@@ -106,7 +116,12 @@ def quantize_folder(
                             q = quantize(tensor, group_size=group_size)
                         else:
                             q = rounded.pop(name)
-                            assert q.q.shape == tensor.shape, name
+                            if q.q.shape != tensor.shape:
+                                raise ConfigError(
+                                    f"{path.name}: {name} has shape {tuple(tensor.shape)}, "
+                                    f"the model GPTQ ran has {tuple(q.q.shape)}; the "
+                                    "checkpoint does not match config.json"
+                                )
                         tensors.update(_stored(base, q))
                         quantized += 1
                     elif rounded is None or name != "lm_head.weight":

@@ -17,6 +17,7 @@ from brook_engine.offload.plan import (
     ExpertShape,
     ModelShape,
     has_qkv_bias,
+    head_stored_int8,
 )
 
 #: Architectures the engine runs
@@ -103,6 +104,7 @@ class ModelArch:
             max_position_embeddings=self.max_position_embeddings,
             qk_norm=self.qk_norm,
             experts=self.experts,
+            head_stored_int8=head_stored_int8(self.extra),
         )
 
     @property

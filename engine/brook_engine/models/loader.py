@@ -432,16 +432,20 @@ def stored_head(model: CausalLM, folder: Path) -> QuantizedWeight | None:
         return None
     parts: dict[str, torch.Tensor] = {}
     shape: tuple[int, ...] | None = None
+    rows: dict[str, int] = {}
+    start, end, padded = model.shard.vocab(model.arch.vocab_size)
     for path in checkpoint_files(folder):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
                 if not name.startswith("lm_head.weight"):
                     continue
                 _, part = _canonical(name)
-                if part == "float" and f.get_slice(name).get_dtype() == "I8":
+                piece = f.get_slice(name)
+                if part == "float" and piece.get_dtype() == "I8":
                     part = "int8"
                 if part in ("packed", "int8", "scale"):
-                    parts[part] = f.get_tensor(name)
+                    rows[part] = int(piece.get_shape()[0])
+                    parts[part] = piece[start:end]  # this rank's vocabulary rows only
                 elif part == "shape":
                     shape = tuple(int(v) for v in f.get_tensor(name).tolist())
     if "scale" not in parts or not ({"packed", "int8"} & parts.keys()):
@@ -451,23 +455,26 @@ def stored_head(model: CausalLM, folder: Path) -> QuantizedWeight | None:
                 f"{'weight_scale' if 'scale' not in parts else 'int8 weight'}"
             )
         return None
-    hidden = model.arch.hidden_size
-    if "packed" in parts:
-        if shape is not None and shape != (model.arch.vocab_size, hidden):
-            raise ConfigError(
-                f"{folder}: lm_head.weight_shape is {list(shape)}; the model's head is "
-                f"[{model.arch.vocab_size}, {hidden}]"
-            )
+    hidden, vocab = model.arch.hidden_size, model.arch.vocab_size
+    stored = "packed" if "packed" in parts else "int8"
+    if (shape is not None and shape != (vocab, hidden)) or set(rows.values()) != {vocab}:
+        raise ConfigError(
+            f"{folder}: lm_head.weight_{'packed' if stored == 'packed' else ''}"
+            f"{'' if stored == 'packed' else '(int8)'} and lm_head.weight_scale hold "
+            f"{sorted(set(rows.values()))} rows (weight_shape {shape}); the model's head is "
+            f"[{vocab}, {hidden}]: the checkpoint does not match config.json"
+        )
+    if stored == "packed":
         q = quant_checkpoint.unpack_int8(parts["packed"], hidden)
     else:
         q = parts["int8"]
     scale = parts["scale"].reshape(q.shape[0], -1)
-    start, end, rows = model.shard.vocab(model.arch.vocab_size)
-    local_q = torch.zeros((rows, q.shape[1]), dtype=torch.int8)
-    local_scale = torch.ones((rows, scale.shape[1]), dtype=scale.dtype)
-    local_q[: end - start] = q[start:end]
-    local_scale[: end - start] = scale[start:end]
-    return QuantizedWeight(local_q, local_scale.to(model.lm_head.weight.dtype))
+    table = model.lm_head.weight
+    local_q = torch.zeros((padded, q.shape[1]), dtype=torch.int8)
+    local_scale = torch.ones((padded, scale.shape[1]), dtype=scale.dtype)
+    local_q[: end - start] = q
+    local_scale[: end - start] = scale
+    return QuantizedWeight(local_q.to(table.device), local_scale.to(table.device, table.dtype))
 
 
 def _canonical(name: str) -> tuple[str, str]:

@@ -114,6 +114,14 @@ def aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
+def head_stored_int8(data: Mapping[str, Any]) -> bool:
+    """A compressed-tensors checkpoint whose ``ignore`` leaves the LM head quantized."""
+    block = data.get("quantization_config") or data.get("compression_config")
+    if not isinstance(block, Mapping):
+        return False
+    return "lm_head" not in (block.get("ignore") or ())
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What the plan needs of a decoder's ``config.json``."""
@@ -133,6 +141,8 @@ class ModelShape:
     max_position_embeddings: int
     qk_norm: bool = False  # Qwen3's per-head q/k RMSNorm
     experts: ExpertShape | None = None
+    head_stored_int8: bool = False
+    """The checkpoint stores the LM head in int8 (a GPTQ folder): no float table is kept."""
 
     @property
     def dense_layers(self) -> int:
@@ -161,6 +171,7 @@ class ModelShape:
                 max_position_embeddings=int(data.get("max_position_embeddings", 2048)),
                 qk_norm=archs[0] in QK_NORM_ARCHITECTURES,
                 experts=ExpertShape.from_config(data, str(archs[0])),
+                head_stored_int8=head_stored_int8(data),
             )
         except KeyError as exc:
             raise ConfigError(f"{source}: missing {exc.args[0]!r}") from None
@@ -470,7 +481,7 @@ def fixed_bytes(
     if last:
         out["norms"] += h * d
         shared = shape.tie_word_embeddings and first
-        out["head"] = 0 if shared else table
+        out["head"] = 0 if shared or shape.head_stored_int8 else table
         if config.quantization.weights == "w8a16":
             group = config.quantization.group_size
             groups = 1 if group is None else h // group

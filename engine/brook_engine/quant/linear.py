@@ -118,8 +118,8 @@ def int8_product(
 
 
 class QuantizedHead(nn.Module):
-    """An int8 copy of the LM head (rows: vocabulary entries); the float table stays for
-    the embedding of a tied model and for float32 measurements."""
+    """An int8 copy of the LM head (rows: vocabulary entries). A tied model's float table
+    stays for its embedding; float32 measurements dequantize this copy."""
 
     def __init__(
         self,

@@ -18,6 +18,7 @@ from brook_engine import LLM, SamplingParams
 from brook_engine.cli import main as engine_cli
 from brook_engine.config import ConfigError
 from brook_engine.convert.w8a16 import quantize_folder
+from brook_engine.offload.plan import ModelShape
 from brook_engine.quant.gptq import HessianAccumulator, gptq_quantize
 from brook_engine.quant.linear import Int8Linear, QuantizedHead
 from brook_engine.quant.quantize import quantize
@@ -30,9 +31,10 @@ EXACT_KV = {
 
 
 def _inputs(rows: int, width: int, seed: int) -> torch.Tensor:
-    """Activations as a transformer's look: correlated channels, a few of them large."""
+    """Activations as a transformer's look: correlated channels (one fixed correlation: the
+    same distribution for every ``seed``), a few of them large."""
+    mix = torch.randn(width, width, generator=torch.Generator().manual_seed(0)) / width**0.5
     g = torch.Generator().manual_seed(seed)
-    mix = torch.randn(width, width, generator=g) / width**0.5
     x = torch.randn(rows, width, generator=g) @ (torch.eye(width) + mix)
     x[:, :4] *= 20
     return x
@@ -50,12 +52,12 @@ def test_gptq_keeps_the_scales_and_moves_the_output_less(group_size: int | None)
     nearest = quantize(weight, group_size=group_size)
     assert torch.equal(rounded.scale, nearest.scale)
     assert rounded.q.dtype == torch.int8 and not torch.equal(rounded.q, nearest.q)
-    held_out = _inputs(512, 128, seed=1)  # same distribution, the statistics' inputs
+    held_out = _inputs(512, 128, seed=2)  # the same distribution, inputs GPTQ did not see
     error = {
         name: float((held_out @ (weight - q.dequantize(torch.float32)).T).norm())
         for name, q in (("gptq", rounded), ("nearest", nearest))
     }
-    assert error["gptq"] < 0.7 * error["nearest"], error
+    assert error["gptq"] < 0.75 * error["nearest"], error  # 0.63x and 0.65x here
 
 
 def test_inputs_that_never_carry_signal_do_not_break_it() -> None:
@@ -105,6 +107,12 @@ def test_a_gptq_folder_loads_as_the_library_reads_it(
     assert "lm_head.weight_packed" in stored and "lm_head.weight" not in stored
     dense = CompressedTensorsDequantizer(str(output), dtype=torch.float32).process(dict(stored))
 
+    # The memory plan counts the int8 head alone (no float table is kept for it).
+    assert ModelShape.from_config(config).head_stored_int8
+    assert not ModelShape.from_config(
+        json.loads((source / "config.json").read_text())
+    ).head_stored_int8
+
     # The folder's integers are GPTQ's, not rounding to nearest, with the same scales.
     original = load_file(str(source / "model.safetensors"))
     name = "model.layers.1.mlp.down_proj.weight"
@@ -137,15 +145,21 @@ def test_a_gptq_folder_loads_as_the_library_reads_it(
 def test_gptq_is_closer_to_the_float_model_than_rounding_to_nearest(
     make_tiny_model: Callable[..., Path], tmp_path: Path
 ) -> None:
-    """Teacher-forced logits on text the calibration did not read."""
+    """Teacher-forced logits on the calibration text: the whole pipeline (hooks, layer by
+    layer with the earlier layers rounded, the head) rounds against the inputs it should.
+    On a random model that is where GPTQ must win (2-3x closer in trials over four seeds);
+    text it did not read is measured on a real model by ``bench --workload w8a16-quality``
+    (docs/quantization.md), since a random model's behaviour there says little."""
+    from brook_engine.kv.calibration import builtin_calibration_text
+
     source = make_tiny_model("llama")
     folders = {}
     for method in ("minmax", "gptq"):
         folders[method] = tmp_path / method
         quantize_folder(source, folders[method], progress=False, method=method)
     float_model = LLM(str(source), dtype="float32", kv_cache=EXACT_KV, progress=False)
-    text = "The quick brown fox jumps over the lazy dog. " * 12
-    ids = float_model.engine.tokenizer.encode(text, add_special_tokens=False)[:200]
+    text = builtin_calibration_text()
+    ids = float_model.engine.tokenizer.encode(text, add_special_tokens=False)[:400]
     reference = float_model.engine.prompt_logits(ids, in_float32=True)
     error = {}
     for method, folder in folders.items():
@@ -157,7 +171,7 @@ def test_gptq_is_closer_to_the_float_model_than_rounding_to_nearest(
             quantization={"weights": "w8a16"},
         )
         error[method] = float((llm.engine.prompt_logits(ids, in_float32=True) - reference).norm())
-    assert error["gptq"] < error["minmax"], error
+    assert error["gptq"] < 0.7 * error["minmax"], error
 
 
 def test_gptq_refuses_bad_input(

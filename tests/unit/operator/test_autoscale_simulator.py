@@ -572,11 +572,9 @@ def test_flow_control_moves_queued_work_but_hides_it_from_the_engines() -> None:
     assert max(n for _, n in blind.timeline) == 1 and p99(blind) > p99(pushed)
 
 
-def test_reading_the_gateway_queue_is_for_flow_control(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
+def test_reading_the_gateway_queue_is_for_flow_control() -> None:
     requests = _trace((20.0, 0, 60))
-    with pytest.raises(SimulationError, match="applies to the flow-control router"):
+    with pytest.raises(SimulationError, match="--read-gateway-queue applies with --router flow"):
         compare(requests, _profile(), _spec(), ["brook"], reads_gateway_queue=True)
     seen = compare(
         requests, _profile(), _spec(), ["brook"], router="flow-control", reads_gateway_queue=True

@@ -85,8 +85,8 @@ def compare(
     Router(router)  # an unknown mode fails before any run
     if reads_gateway_queue and router != "flow-control":
         raise SimulationError(
-            f"reading the gateway's queue applies to the flow-control router (it holds "
-            f"requests); the {router} router sends every request on at once"
+            f"--read-gateway-queue applies with --router flow-control (the router that holds "
+            f"requests at the gateway); --router {router} sends every request on at once"
         )
     run = functools.partial(simulate, router=router)
     peak = baselines.static_peak(requests, profile, slo, spec.max_replicas, run)

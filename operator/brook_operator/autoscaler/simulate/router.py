@@ -62,8 +62,11 @@ def _load(replica: Replica) -> tuple[int, float]:
 
 def has_room(replica: Replica, job: Job) -> bool:
     """A free batch slot, counting requests sent but not admitted yet, and KV room for the
-    prompt beside what the replica holds and has been sent."""
+    prompt beside what the replica holds and has been sent; none while a preemption blocks
+    admission."""
     profile = replica.profile
+    if replica.blocked:  # it preempted: it admits nothing until a request finishes
+        return False
     if len(replica.waiting) + replica.num_running >= profile.max_num_seqs:
         return False
     sent = sum(j.prompt for j in replica.waiting)
