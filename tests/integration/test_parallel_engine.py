@@ -288,8 +288,10 @@ def test_w8a16_under_parallelism_matches_one_process(
     one process generates."""
     from brook_engine.quant.linear import Int8Linear
 
-    # MLP width 128: 64 per tensor rank, two groups of 32 each
-    folder = make_tiny_model(arch, num_hidden_layers=4, intermediate_size=128)
+    # MLP width 128: 64 per tensor rank, two groups of 32 each; a GPTQ folder's stored head
+    # over a vocabulary of 321: the second tensor rank's slice ends in a padding row
+    vocab = {"vocab_size": 321} if gptq else {}
+    folder = make_tiny_model(arch, num_hidden_layers=4, intermediate_size=128, **vocab)
     w8a16 = {"weights": "w8a16", "group_size": group_size}
     if gptq:  # a GPTQ folder: its int8 head is split over the ranks' vocabulary slices
         from brook_engine.convert.w8a16 import quantize_folder
