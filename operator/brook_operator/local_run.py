@@ -55,8 +55,10 @@ def cluster_only_notes(llmi: LLMInference, replicas_flag: int | None) -> list[st
     if spec.replicas and spec.replicas > 1 and replicas_flag is None:
         notes.append(f"spec.replicas is {spec.replicas}; `brook up` runs one replica here")
     if spec.replicas == 0 or spec.suspend:
-        why = "spec.suspend is true" if spec.suspend else "spec.replicas is 0"
-        notes.append(f"{why.split()[0]}: {why}, so a cluster runs no replica; `brook up` runs one")
+        field, value = ("spec.suspend", "true") if spec.suspend else ("spec.replicas", "0")
+        notes.append(
+            f"{field}: {field} is {value}, so a cluster runs no replica; `brook up` runs one"
+        )
     if spec.image is not None:
         notes.append(f"spec.image {spec.image} is the pods'; `brook up` runs this machine's engine")
     if spec.resources != type(spec.resources)():

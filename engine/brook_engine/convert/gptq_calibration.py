@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from brook_engine.config import ConfigError
 from brook_engine.layers.linear import dense
+from brook_engine.models.loader import placements
 from brook_engine.quant.gptq import HessianAccumulator, gptq_quantize
 from brook_engine.quant.quantize import QuantizedWeight
 
@@ -44,13 +45,8 @@ class _Stop(Exception):
 
 
 def calibration_chunks(token_ids: list[int], tokens: int, chunk: int = CHUNK) -> list[list[int]]:
-    if tokens < MIN_TOKENS:
-        raise ConfigError(f"--calibration-tokens {tokens}: give at least {MIN_TOKENS}")
-    if len(token_ids) < MIN_TOKENS:
-        raise ConfigError(
-            f"the calibration text holds {len(token_ids)} tokens; GPTQ needs at least "
-            f"{MIN_TOKENS}: give a longer --calibration-text"
-        )
+    """The first ``tokens`` of the text in prefills of ``chunk`` (``tokens`` is at least
+    ``MIN_TOKENS``: ``quantize_folder`` refuses fewer before the model loads)."""
     if len(token_ids) < tokens:
         raise ConfigError(
             f"--calibration-tokens {tokens}: the calibration text holds only "
@@ -69,7 +65,8 @@ def gptq_weights(
     progress: bool = True,
 ) -> dict[str, QuantizedWeight]:
     """Checkpoint name (``model.layers.3.self_attn.q_proj.weight``, ``lm_head.weight``) →
-    its GPTQ-rounded int8 weight and min-max scales (in ``scale_dtype``)."""
+    its GPTQ-rounded int8 weight and min-max scales (in ``scale_dtype``), for a dense model
+    (``convert.w8a16.quantize_folder`` refuses a mixture of experts before this loads it)."""
     from brook_engine.core.llm_engine import LLMEngine
     from brook_engine.llm import engine_config_from_options
 
@@ -87,11 +84,6 @@ def gptq_weights(
     engine = LLMEngine(engine_config_from_options(str(source), options), progress=False)
     model = engine.runner.model
     arch = model.arch
-    if arch.experts is not None:
-        raise ConfigError(
-            f"--method gptq rounds dense models; {source} is a mixture of experts "
-            "(convert it with the default --method minmax)"
-        )
     chunks = calibration_chunks(engine.tokenizer.encode(text, add_special_tokens=False), tokens)
     layers = model.model.layers
     rounded: dict[str, QuantizedWeight] = {}
@@ -103,31 +95,30 @@ def gptq_weights(
             modules = {name: layer.get_submodule(name) for name in _FUSED}
             stats = _measure(engine, chunks, list(modules.values()), modules["mlp.down_proj"])
             for name, module in modules.items():
-                q = _round(f"model.layers.{index}.{name}", module, stats, scale_dtype, group_size)
+                where = f"model.layers.{index}.{name}"
+                q = _round(where, _weight(module), stats[module], scale_dtype, group_size)
                 products.add(module, q.dequantize(torch.float32))
-                rounded.update(_split(arch, index, name, q))
+                rounded.update(_split(model, index, name, q))
             bar.update(1)
         head = model.lm_head
         assert head is not None
         stats = _measure(engine, chunks, [head], None)
         table = _weight(head)[: arch.vocab_size]
-        try:
-            rounded["lm_head.weight"] = gptq_quantize(table, stats[head], scale_dtype, group_size)
-        except RuntimeError as exc:
-            raise ConfigError(f"GPTQ failed on lm_head: {exc}") from None
+        rounded["lm_head.weight"] = _round("lm_head", table, stats[head], scale_dtype, group_size)
         bar.update(1)
     return rounded
 
 
 def _round(
     where: str,
-    module: nn.Module,
-    stats: dict[nn.Module, torch.Tensor],
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
     scale_dtype: torch.dtype,
     group_size: int | None,
 ) -> QuantizedWeight:
+    """``gptq_quantize``, its failure naming the layer ``where``."""
     try:
-        return gptq_quantize(_weight(module), stats[module], scale_dtype, group_size)
+        return gptq_quantize(weight, hessian, scale_dtype, group_size)
     except RuntimeError as exc:  # statistics too degenerate even damped
         raise ConfigError(f"GPTQ failed on {where}: {exc}") from None
 
@@ -194,25 +185,31 @@ class _RoundedProducts:
         self.handles.append(module.register_forward_hook(hook))
 
 
-def _split(arch: Any, index: int, fused: str, q: QuantizedWeight) -> dict[str, QuantizedWeight]:
-    """The checkpoint projections a fused product holds, by rows."""
+#: a decoder layer's projections as the checkpoint names them
+_PROJECTIONS = tuple(
+    f"{part}.weight"
+    for part in (
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    )
+)
+
+
+def _split(model: Any, index: int, fused: str, q: QuantizedWeight) -> dict[str, QuantizedWeight]:
+    """The checkpoint projections a fused product holds, at the rows the loader puts them
+    (``models.loader.placements``)."""
     prefix = f"model.layers.{index}."
-    if fused == "self_attn.qkv_proj":
-        q_rows = arch.num_heads * arch.head_dim
-        kv_rows = arch.num_kv_heads * arch.head_dim
-        bounds = {"q_proj": (0, q_rows), "k_proj": (q_rows, q_rows + kv_rows)}
-        bounds["v_proj"] = (q_rows + kv_rows, q_rows + 2 * kv_rows)
-        return {
-            f"{prefix}self_attn.{name}.weight": _rows(q, start, end)
-            for name, (start, end) in bounds.items()
-        }
-    if fused == "mlp.gate_up_proj":
-        width = arch.intermediate_size
-        return {
-            f"{prefix}mlp.gate_proj.weight": _rows(q, 0, width),
-            f"{prefix}mlp.up_proj.weight": _rows(q, width, 2 * width),
-        }
-    return {f"{prefix}{fused}.weight": q}
+    out = {}
+    for projection in _PROJECTIONS:
+        for place in placements(model, prefix + projection, q.q.shape[0]) or ():
+            if place.param == f"{prefix}{fused}.weight":
+                out[prefix + projection] = _rows(q, place.dst_start, place.dst_start + place.length)
+    return out
 
 
 def _rows(q: QuantizedWeight, start: int, end: int) -> QuantizedWeight:

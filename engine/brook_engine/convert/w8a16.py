@@ -82,17 +82,14 @@ def quantize_folder(
         raise ConfigError(f"{source} holds no *.safetensors weights")
     if output.exists() and any(output.iterdir()):
         raise ConfigError(f"{output} is not empty; give a new folder for --output")
+    layout = _layout(files, group_size)
     output.mkdir(parents=True, exist_ok=True)
-    rounded = (
-        _gptq(source, files, group_size, calibration_text, calibration_tokens, progress)
-        if method == "gptq"
-        else None
-    )
+    rounded = None
     head_file = None
-    if rounded is not None:  # where the int8 head goes: beside the float one, or the embedding
-        head_file = _file_holding(files, "lm_head.weight") or _file_holding(
-            files, "model.embed_tokens.weight"
-        )
+    if method == "gptq":
+        rounded = _gptq(source, layout, group_size, calibration_text, calibration_tokens, progress)
+        # where the int8 head goes: beside the float one, or beside the embedding
+        head_file = (layout.get("lm_head.weight") or layout["model.embed_tokens.weight"])[0]
     skipped = {config_path.name, "model.safetensors.index.json"}  # written below
     for item in source.iterdir():  # tokenizer, generation config, templates…
         if item.is_file() and item.suffix != ".safetensors" and item.name not in skipped:
@@ -107,11 +104,6 @@ def quantize_folder(
                     tensor = f.get_tensor(name)
                     if _PROJECTION.match(name) and tensor.dim() == 2:
                         base = name.removesuffix(".weight")
-                        if group_size is not None and tensor.shape[1] % group_size:
-                            raise ConfigError(
-                                f"--group-size {group_size} does not divide the input width "
-                                f"{tensor.shape[1]} of {name}; use a multiple of 32 that does"
-                            )
                         if rounded is None:
                             q = quantize(tensor, group_size=group_size)
                         else:
@@ -156,39 +148,40 @@ def _stored(base: str, q: QuantizedWeight) -> dict[str, torch.Tensor]:
     }
 
 
-def _file_holding(files: list[Path], name: str) -> Path | None:
+def _layout(files: list[Path], group_size: int | None) -> dict[str, tuple[Path, str]]:
+    """Every checkpoint tensor's file and stored dtype, from the files' headers; every
+    projection's input width checked against ``group_size`` before anything is written."""
+    layout: dict[str, tuple[Path, str]] = {}
     for path in files:
         with safe_open(str(path), framework="pt") as f:
-            if name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                return path
-    return None
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                piece = f.get_slice(name)
+                layout[name] = (path, piece.get_dtype())
+                shape = piece.get_shape()
+                projection = _PROJECTION.match(name) and len(shape) == 2
+                if projection and group_size is not None and shape[1] % group_size:
+                    raise ConfigError(
+                        f"--group-size {group_size} does not divide the input width "
+                        f"{shape[1]} of {name}; use a multiple of 32 that does"
+                    )
+    return layout
 
 
 def _gptq(
     source: Path,
-    files: list[Path],
+    layout: dict[str, tuple[Path, str]],
     group_size: int | None,
     text: str | None,
     tokens: int,
     progress: bool,
 ) -> dict[str, QuantizedWeight]:
-    """The GPTQ-rounded projections and head, with scales in the checkpoint's dtype."""
+    """The GPTQ-rounded projections and head, with scales in the checkpoint's dtype (the
+    embedding's)."""
     from brook_engine.convert.gptq_calibration import gptq_weights
     from brook_engine.kv.calibration import builtin_calibration_text
 
-    dtype: torch.dtype | None = None
-    for path in files:  # the checkpoint's dtype, and every width the groups must divide
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                piece = f.get_slice(name)
-                if name == "model.embed_tokens.weight":
-                    dtype = _DTYPES.get(piece.get_dtype())
-                width = piece.get_shape()[-1]
-                if _PROJECTION.match(name) and group_size is not None and width % group_size:
-                    raise ConfigError(
-                        f"--group-size {group_size} does not divide the input width {width} "
-                        f"of {name}; use a multiple of 32 that does"
-                    )
+    embedding = layout.get("model.embed_tokens.weight")
+    dtype = _DTYPES.get(embedding[1]) if embedding is not None else None
     if dtype is None:
         raise ConfigError(f"{source}: no float model.embed_tokens.weight to take the dtype from")
     text = builtin_calibration_text() if text is None else text

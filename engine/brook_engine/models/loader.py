@@ -113,7 +113,10 @@ def load_model(
     model.tie_embeddings()
     load_weights(model, folder, progress=progress, skip=tuple(f"{s}." for s in streamed))
     model.eval()
-    head_q = stored_head(model, folder) if int8 is not None else None
+    # only a checkpoint whose quantization leaves the head unignored stores it in int8
+    head_q = (
+        stored_head(model, folder) if int8 is not None and arch.shape.head_stored_int8 else None
+    )
     if head_q is not None and not arch.tie_word_embeddings and model.lm_head is not None:
         # an untied head stored in int8 alone: the int8 copy is all it multiplies by
         # (float32 measurements dequantize it), so no float table is kept
@@ -387,9 +390,7 @@ def load_weights(
                         name == "lm_head.weight" and model.arch.tie_word_embeddings
                     ):
                         continue
-                    canonical, part = _canonical(name)
-                    if part == "float" and f.get_slice(name).get_dtype() == "I8":
-                        part = "int8"  # the int-quantized format's weight
+                    canonical, part = _canonical(f, name)
                     if canonical == "lm_head.weight" and part != "float":
                         quantized_head = True  # read whole by ``stored_head``
                         continue
@@ -439,10 +440,8 @@ def stored_head(model: CausalLM, folder: Path) -> QuantizedWeight | None:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
                 if not name.startswith("lm_head.weight"):
                     continue
-                _, part = _canonical(name)
+                _, part = _canonical(f, name)
                 piece = f.get_slice(name)
-                if part == "float" and piece.get_dtype() == "I8":
-                    part = "int8"
                 if part in ("packed", "int8", "scale"):
                     rows[part] = int(piece.get_shape()[0])
                     parts[part] = piece[start:end]  # this rank's vocabulary rows only
@@ -477,13 +476,15 @@ def stored_head(model: CausalLM, folder: Path) -> QuantizedWeight | None:
     return QuantizedWeight(local_q.to(table.device), local_scale.to(table.device, table.dtype))
 
 
-def _canonical(name: str) -> tuple[str, str]:
-    """A compressed-tensors name as the float weight it stands for, and which part of it:
-    ``x.weight_packed`` → (``x.weight``, ``packed``); a plain tensor → (name, ``float``)."""
+def _canonical(f: Any, name: str) -> tuple[str, str]:
+    """A compressed-tensors name of the open checkpoint ``f`` as the float weight it stands
+    for, and which part of it: ``x.weight_packed`` → (``x.weight``, ``packed``); an int8
+    plain tensor (the int-quantized format's weight) → (name, ``int8``); any other plain
+    tensor → (name, ``float``)."""
     base, _, suffix = name.rpartition(".")
     if suffix in quant_checkpoint.PARTS:
         return f"{base}.weight", quant_checkpoint.PARTS[suffix]
-    return name, "float"
+    return name, "int8" if f.get_slice(name).get_dtype() == "I8" else "float"
 
 
 def _holds_int8(model: CausalLM, param: str) -> bool:

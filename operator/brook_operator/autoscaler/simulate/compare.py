@@ -19,7 +19,7 @@ from brook_operator.autoscaler.simulate import baselines
 from brook_operator.autoscaler.simulate.oracle import ORACLES, oracle
 from brook_operator.autoscaler.simulate.profile import Profile
 from brook_operator.autoscaler.simulate.report import summary
-from brook_operator.autoscaler.simulate.router import DEFAULT_ROUTER, Router
+from brook_operator.autoscaler.simulate.router import DEFAULT_ROUTER
 from brook_operator.autoscaler.simulate.run import Autoscaled, RunResult, simulate
 from brook_operator.autoscaler.simulate.simulation_error import SimulationError
 from brook_operator.autoscaler.simulate.trace import Request
@@ -82,7 +82,6 @@ def compare(
             f"unknown policies {', '.join(unknown)}; choose from {', '.join(baselines.POLICIES)}"
         )
     slo = profile.ttft_slo_seconds if slo_seconds is None else slo_seconds
-    Router(router)  # an unknown mode fails before any run
     if reads_gateway_queue and router != "flow-control":
         raise SimulationError(
             f"--read-gateway-queue applies with --router flow-control (the router that holds "
