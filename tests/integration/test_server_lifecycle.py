@@ -70,6 +70,8 @@ def test_a_full_queue_answers_429_and_keeps_serving(
             client.completions.create(model="tiny", prompt="x", max_tokens=2)
         assert error.value.status_code == 429
         assert error.value.body["code"] == "queue_full"  # type: ignore[index]
+        assert int(error.value.response.headers["retry-after"]) >= 1
+        wait_for(server, lambda m: m["brook_engine_refused_prompt_tokens_total"] >= 1)
         first.close()
         second.close()
         wait_for(server, lambda m: m["brook_engine_num_requests_running"] == 0)

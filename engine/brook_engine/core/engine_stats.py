@@ -20,6 +20,7 @@ def engine_stats(
     num_prompt_tokens_total: int,
     num_generation_tokens_total: int,
     cold_start_seconds: dict[str, float] | None = None,
+    num_refused_prompt_tokens_total: int = 0,
 ) -> EngineStats:
     cache = blocks.cache
     return EngineStats(
@@ -29,6 +30,7 @@ def engine_stats(
         num_kv_blocks=blocks.num_blocks,
         num_prompt_tokens_total=num_prompt_tokens_total,
         num_generation_tokens_total=num_generation_tokens_total,
+        num_refused_prompt_tokens_total=num_refused_prompt_tokens_total,
         num_preemptions_total=scheduler.num_preemptions_total,
         prefix_cache_queries_total=cache.num_queries if cache else 0,
         prefix_cache_hits_total=cache.num_hits if cache else 0,

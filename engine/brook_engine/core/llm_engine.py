@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -22,7 +23,7 @@ from brook_engine.core.engine_stats import engine_stats
 from brook_engine.core.model_runner import Flight, ModelRunner
 from brook_engine.core.ranks import GroupSpec, LocalWorkers, join_group
 from brook_engine.core.requests import Request, RequestError, check_prompt
-from brook_engine.core.scheduler import ScheduledBatch, Scheduler
+from brook_engine.core.scheduler import QueueFullError, ScheduledBatch, Scheduler
 from brook_engine.core.sequence import FinishReason, Sequence
 from brook_engine.device import resolve_backend
 from brook_engine.host import process_started
@@ -39,6 +40,9 @@ from brook_engine.sampling_params import SamplingParams
 from brook_engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
+
+#: The longest Retry-After a refused request is told (a stalled engine is not waited for).
+RETRY_AFTER_MAX_SECONDS = 60
 
 
 class LLMEngine:
@@ -111,6 +115,10 @@ class LLMEngine:
         self._in_flight: deque[tuple[ScheduledBatch, Flight]] = deque()
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+        # Demand turned away by the admission bound: the autoscaler's arrival signal counts it.
+        self.num_refused_prompt_tokens_total = 0
+        # When recent requests ended (monotonic), for a refused request's Retry-After.
+        self._recent_finishes: deque[float] = deque(maxlen=256)
         # Drained by the server after every step; bounded for callers that never drain.
         self._finished_stats: deque[FinishedRequestStats] = deque(maxlen=65536)
         #: Seconds from process start until ready, and until the first generated token.
@@ -239,7 +247,12 @@ class LLMEngine:
         seq = Sequence(request_id, ids, len(ids), params)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
-        self.scheduler.add(seq)
+        try:
+            self.scheduler.add(seq)
+        except QueueFullError as exc:
+            self.num_refused_prompt_tokens_total += len(ids)
+            exc.retry_after_seconds = self.queue_drain_seconds()
+            raise
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         self._requests[request_id] = Request(seq, text, detok)
         self.num_prompt_tokens_total += len(ids)
@@ -274,6 +287,7 @@ class LLMEngine:
         self._requests.pop("warm-up", None)
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+        self.num_refused_prompt_tokens_total = 0
         self.scheduler.num_preemptions_total = 0
         self._finished_stats.clear()
         if self.runner.model.expert_load is not None:
@@ -291,6 +305,7 @@ class LLMEngine:
             self.num_prompt_tokens_total,
             self.num_generation_tokens_total,
             self.cold_start,
+            self.num_refused_prompt_tokens_total,
         )
 
     def estimate_memory(self, seq_len: int, batch: int) -> dict[str, int]:
@@ -312,7 +327,20 @@ class LLMEngine:
         self._finished_stats.clear()
         return taken
 
+    def queue_drain_seconds(self) -> int:
+        """Seconds until the requests waiting now have entered the running batch, at the
+        rate requests ended over the last minute (each end frees the slot one of them
+        takes); 1 to ``RETRY_AFTER_MAX_SECONDS``, and 1 without a minute's data."""
+        now = time.monotonic()
+        recent = [t for t in self._recent_finishes if now - t <= 60.0]
+        if len(recent) < 2 or recent[-1] <= recent[0]:
+            return 1
+        rate = (len(recent) - 1) / (now - recent[0])
+        waiting = self.scheduler.num_waiting
+        return max(1, min(RETRY_AFTER_MAX_SECONDS, math.ceil(waiting / rate)))
+
     def _record_finished(self, seq: Sequence) -> None:
+        self._recent_finishes.append(time.monotonic())
         self._finished_stats.append(
             FinishedRequestStats(
                 finish_reason=seq.finish_reason.value if seq.finish_reason else "abort",

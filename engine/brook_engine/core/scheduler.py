@@ -23,7 +23,12 @@ from brook_engine.kv.blocks import BlockManager
 
 
 class QueueFullError(RuntimeError):
-    """The waiting queue is at ``scheduler.maxWaitingRequests``; retry later."""
+    """The waiting queue is at ``scheduler.maxWaitingRequests``; retry later:
+    ``retry_after_seconds`` is the engine's estimate of when the queue has moved on."""
+
+    def __init__(self, message: str, retry_after_seconds: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_seconds = retry_after_seconds
 
 
 @dataclass

@@ -38,6 +38,7 @@ MOE_RANK_UTILIZATION: Final = "brook_engine_moe_rank_utilization"  # over expert
 # Counters.
 REQUESTS_TOTAL: Final = "brook_engine_requests_total"  # label: finish_reason
 PROMPT_TOKENS_TOTAL: Final = "brook_engine_prompt_tokens_total"
+REFUSED_PROMPT_TOKENS_TOTAL: Final = "brook_engine_refused_prompt_tokens_total"  # queue full
 GENERATION_TOKENS_TOTAL: Final = "brook_engine_generation_tokens_total"
 PREEMPTIONS_TOTAL: Final = "brook_engine_num_preemptions_total"
 PREFIX_CACHE_QUERIES_TOTAL: Final = "brook_engine_prefix_cache_queries_total"  # tokens looked up

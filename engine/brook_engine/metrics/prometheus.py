@@ -81,6 +81,11 @@ class EngineMetrics:
             self.requests.labels(finish_reason=reason)
         self.prompt_tokens = counter(names.PROMPT_TOKENS_TOTAL, "Prompt tokens received.")
         self.generation_tokens = counter(names.GENERATION_TOKENS_TOTAL, "Tokens generated.")
+        self.refused_prompt_tokens = counter(
+            names.REFUSED_PROMPT_TOKENS_TOTAL,
+            "Prompt tokens of requests refused because the waiting queue was full "
+            "(scheduler.maxWaitingRequests): demand the engine did not serve.",
+        )
         self.preemptions = counter(names.PREEMPTIONS_TOTAL, "Sequences preempted.")
         self.prefix_queries = counter(
             names.PREFIX_CACHE_QUERIES_TOTAL, "Prompt tokens looked up in the prefix cache."
@@ -342,6 +347,7 @@ class EngineMetrics:
             (self.moe_routed, "moe_routed_total"),
             (self.moe_rerouted, "moe_rerouted_total"),
             (self.prompt_tokens, "num_prompt_tokens_total"),
+            (self.refused_prompt_tokens, "num_refused_prompt_tokens_total"),
             (self.generation_tokens, "num_generation_tokens_total"),
             (self.preemptions, "num_preemptions_total"),
             (self.prefix_queries, "prefix_cache_queries_total"),

@@ -17,6 +17,7 @@ class EngineStats:
     num_prompt_tokens_total: int
     num_generation_tokens_total: int
     num_preemptions_total: int
+    num_refused_prompt_tokens_total: int = 0  # of requests the full queue turned away
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
     prefix_cache_evictions_total: int = 0

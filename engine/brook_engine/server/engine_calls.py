@@ -88,7 +88,10 @@ async def submit(state: ServerState, requests: list[Any], arrival: float) -> Out
     try:
         return await state.engine.add(requests, arrival)
     except QueueFullError as exc:
-        raise APIError(429, str(exc), code="queue_full", headers={"Retry-After": "1"}) from None
+        # Retry-After: when the queue seen now has entered the batch (the engine's estimate),
+        # so a client backs off that long and a router can send the work elsewhere.
+        retry = {"Retry-After": str(exc.retry_after_seconds)}
+        raise APIError(429, str(exc), code="queue_full", headers=retry) from None
     except RequestError as exc:
         raise invalid(str(exc), None) from None
     except EngineStoppedError as exc:

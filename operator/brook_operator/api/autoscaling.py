@@ -8,6 +8,41 @@ from pydantic import Field, model_validator
 
 from brook_engine.config import Section
 
+#: The most history kept: 60 days of 5-minute slots are about 430 KB of the ConfigMap's 1 MiB.
+MAX_HISTORY_SECONDS = 60 * 86_400
+
+
+class HistorySpec(Section):
+    """The predictive term: the fleet's demand at the same time of earlier days, so a surge
+    that recurs is met before it starts. The operator keeps the demand per 5-minute slot in
+    a ConfigMap named after the resource (``<name>-demand-history``)."""
+
+    lead_seconds: int = Field(default=600, ge=60, le=7200)
+    """How far ahead to look: the fleet is sized, this long before, for the highest demand
+    the same stretch of earlier days saw. Longer than a replica takes to start."""
+
+    periods: int = Field(default=7, ge=1, le=28)
+    """Earlier periods kept; the forecast is their lower median, so one odd day of three or
+    more moves it neither way."""
+
+    period_seconds: int = Field(default=86_400, ge=3600, le=604_800)
+    """The length of the pattern: a day, or 604800 for a weekly one."""
+
+    @model_validator(mode="after")
+    def _fits(self) -> HistorySpec:
+        if self.lead_seconds >= self.period_seconds:
+            raise ValueError(
+                f"leadSeconds ({self.lead_seconds}) must be shorter than periodSeconds "
+                f"({self.period_seconds}): a lead of a whole period looks at today"
+            )
+        if self.periods * self.period_seconds > MAX_HISTORY_SECONDS:
+            raise ValueError(
+                f"periods × periodSeconds ({self.periods} × {self.period_seconds} s) exceeds "
+                f"{MAX_HISTORY_SECONDS // 86_400} days, more than its ConfigMap holds; keep "
+                "fewer periods"
+            )
+        return self
+
 
 class AutoscalingSpec(Section):
     """Replica count from the engines' KV-cache usage, queue and communication overlap.
@@ -55,6 +90,15 @@ class AutoscalingSpec(Section):
 
     fallback_replicas: int | None = Field(default=None, ge=1, le=1000)
     """While metrics are stale, run at least this many replicas (never fewer than now)."""
+
+    replica_tokens_per_second: float | None = Field(default=None, gt=0, le=1e9)
+    """Tokens per second (prompt plus generated) one replica serves at targetKvCacheUsage,
+    for the arrival signal: a surge to more than 1.5 times what the fleet serves scales out
+    at the first reading, to the replicas the arriving tokens need. Unset: learned from the
+    replicas' own metrics while they run near the target."""
+
+    history: HistorySpec | None = None
+    """Size ahead for the demand of earlier days at the same time (unset: react only)."""
 
     interval_seconds: int = Field(default=15, ge=5, le=600)
     """Time between decisions."""

@@ -19,7 +19,7 @@ from brook_engine.config import (
     OffloadConfig,
     SchedulerConfig,
 )
-from brook_operator.api.autoscaling import AutoscalingSpec
+from brook_operator.api.autoscaling import MAX_HISTORY_SECONDS, AutoscalingSpec, HistorySpec
 from brook_operator.api.kube import RolloutSpec
 from brook_operator.api.pod_overrides import (
     OPERATOR_ANNOTATION_PREFIXES,
@@ -200,6 +200,19 @@ CEL_RULES: dict[type[BaseModel], list[Rule]] = {
             "self.fallbackReplicas <= self.maxReplicas)",
             "must lie between minReplicas and maxReplicas",
             ".fallbackReplicas",
+        ),
+    ],
+    HistorySpec: [
+        Rule(
+            "self.leadSeconds < self.periodSeconds",
+            "must be shorter than periodSeconds: a lead of a whole period looks at today",
+            ".leadSeconds",
+        ),
+        Rule(
+            f"self.periods * self.periodSeconds <= {MAX_HISTORY_SECONDS}",
+            f"times periodSeconds must not exceed {MAX_HISTORY_SECONDS // 86_400} days, more "
+            "than its ConfigMap holds; keep fewer periods",
+            ".periods",
         ),
     ],
     OffloadConfig: [

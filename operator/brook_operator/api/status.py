@@ -72,6 +72,17 @@ class ScalingSignals(Section):
     waiting_requests: float | None = None
     """Waiting requests per replica."""
 
+    demand_tokens_per_second: float | None = None
+    """Tokens arriving per second over the replicas that reported a rate (prompt tokens
+    accepted or refused, plus tokens generated)."""
+
+    replica_tokens_per_second: float | None = None
+    """Tokens per second one replica serves at the target KV usage, as the arrival signal
+    sizes against it (spec.autoscaling.replicaTokensPerSecond, or learned)."""
+
+    forecast_tokens_per_second: float | None = None
+    """With autoscaling.history: the demand earlier days saw within the lead ahead."""
+
     replicas_reporting: int = Field(default=0, ge=0)
     """Replicas whose metrics were read."""
 

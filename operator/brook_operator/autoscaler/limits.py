@@ -1,4 +1,4 @@
-"""Steps 7 to 9 of ``policy.decide``: what may clip the recommendation (startup grace,
+"""Steps 8 to 10 of ``policy.decide``: what may clip the recommendation (startup grace,
 stabilization, steps, bounds), one pure function each, numbered as in the docstring of
 ``brook_operator.autoscaler.policy``. Each names what limited the count
 (``Decision.limited_by``)."""
@@ -24,7 +24,7 @@ class Outcome:
         return replace(self, desired=desired, limited_by=limited_by, reason=self.reason + note)
 
 
-# 7. Startup grace (and a waiting queue): no scale-in
+# 8. Startup grace (and a waiting queue): no scale-in
 
 
 def hold_scale_in(outcome: Outcome, current: int, load: Load) -> Outcome:
@@ -39,7 +39,7 @@ def hold_scale_in(outcome: Outcome, current: int, load: Load) -> Outcome:
     return outcome
 
 
-# 8. Stabilization
+# 9. Stabilization
 
 
 def stabilize(
@@ -70,7 +70,7 @@ def stabilize(
     return outcome
 
 
-# 9. Steps, then bounds
+# 10. Steps, then bounds
 
 
 def limit_step(outcome: Outcome, current: int, policy: Policy) -> Outcome:

@@ -28,6 +28,13 @@ from pydantic import ValidationError
 
 from brook_operator.api import API_VERSION, KIND, LLMInference
 from brook_operator.api.autoscaling import AutoscalingSpec
+from brook_operator.autoscaler.capacity import CapacityEstimate
+from brook_operator.autoscaler.history import (
+    SLOT_SECONDS,
+    DemandHistory,
+    HistoryError,
+    observed_demand,
+)
 from brook_operator.autoscaler.policy import (
     SIGNALS,
     Decision,
@@ -36,6 +43,7 @@ from brook_operator.autoscaler.policy import (
     ReplicaSignals,
     decide,
 )
+from brook_operator.autoscaler.rates import demand_rate
 from brook_operator.autoscaler.scrape import EngineSample, Scraper, scrape, scrape_all
 from brook_operator.autoscaler.status_patch import autoscaling_status
 from brook_operator.controller.conditions import now_rfc3339, rfc3339
@@ -43,6 +51,7 @@ from brook_operator.controller.events import post_event, post_transitions
 from brook_operator.controller.reconcile import Reconciler, parse
 from brook_operator.kube import AUTOSCALER_MANAGER, KubeClient, KubeError
 from brook_operator.render import ROLE_LABEL, selector_labels
+from brook_operator.render.children import with_owner
 from brook_operator.render.pod import http_port
 
 log = logging.getLogger(__name__)
@@ -99,6 +108,23 @@ class _Memory:
     samples: dict[str, tuple[EngineSample, float]] = field(default_factory=dict)
     """Last good sample of each pod, with its time (used until it goes stale)."""
 
+    rates: dict[str, float | None] = field(default_factory=dict)
+    """Each pod's demand (tokens/s) between its last two good samples."""
+
+    capacity: CapacityEstimate = field(default_factory=CapacityEstimate)
+    """Tokens/s one replica serves at the target, learned from the readings."""
+
+    capacity_generation: int | None = None
+    """The spec generation the capacity was learned under: any spec change (model,
+    resources, parallelism, targets) may change it, so it is learned again."""
+
+    demand: DemandHistory | None = None
+    """The fleet's demand over earlier days (``spec.autoscaling.history``), as kept in its
+    ConfigMap; None until read, or without the predictive term."""
+
+    saved_slot: int | None = None
+    """The history slot last written to the ConfigMap (it is written once a slot)."""
+
 
 @dataclass
 class Autoscaler:
@@ -137,7 +163,15 @@ class Autoscaler:
         pods = self._leader_pods(llmi)
         signals = self._signals(pods, memory, now)
         policy = policy_for(llmi, spec)
-        decision = decide(signals, current, policy, memory.history, now)
+        if memory.capacity_generation != llmi.metadata.generation:
+            memory.capacity = CapacityEstimate()
+            memory.capacity_generation = llmi.metadata.generation
+        forecast = self._forecast(llmi, memory, now)
+        decision = decide(
+            signals, current, policy, memory.history, now, memory.capacity.value, forecast
+        )
+        memory.capacity.observe(signals, policy)
+        self._remember_demand(llmi, memory, observed_demand(signals, policy), now)
         memory.history.append(decision.recommendation_at(now))
         memory.history = [h for h in memory.history if now - h.time <= policy.longest_window]
 
@@ -197,11 +231,18 @@ class Autoscaler:
         results = scrape_all(list(urls.values()), self.scraper)
         alive = {p["metadata"]["name"] for p in pods}
         memory.samples = {k: v for k, v in memory.samples.items() if k in alive}
+        memory.rates = {k: v for k, v in memory.rates.items() if k in alive}
         signals = []
         for pod in pods:
             name = pod["metadata"]["name"]
             result = results.get(urls[name]) if name in urls else None
             if isinstance(result, EngineSample):
+                before = memory.samples.get(name)
+                memory.rates[name] = (
+                    demand_rate((before[0].demand, before[1]), (result.demand, now))
+                    if before and before[0].demand and result.demand
+                    else None
+                )
                 memory.samples[name] = (result, now)
             elif result is not None:
                 log.debug("scrape of %s failed: %s", name, result)
@@ -217,9 +258,74 @@ class Autoscaler:
                     running_requests=kept[0].running_requests if kept else None,
                     overlap_ratio=kept[0].overlap_ratio if kept else None,
                     sample_age_seconds=now - kept[1] if kept else None,
+                    demand_tokens_per_second=memory.rates.get(name) if kept else None,
                 )
             )
         return signals
+
+    def _forecast(self, llmi: LLMInference, memory: _Memory, now: float) -> float | None:
+        """The demand earlier days saw within the lead ahead, with the history read from its
+        ConfigMap the first time (after an operator restart it goes on from there)."""
+        spec = llmi.spec.autoscaling
+        ahead = spec.history if spec else None
+        if ahead is None:
+            memory.demand = None
+            return None
+        if memory.demand is None or (
+            memory.demand.period_seconds,
+            memory.demand.periods,
+        ) != (ahead.period_seconds, ahead.periods):
+            memory.demand = self._read_history(llmi, ahead.period_seconds, ahead.periods)
+        return memory.demand.forecast(now, ahead.lead_seconds) if memory.demand else None
+
+    def _read_history(
+        self, llmi: LLMInference, period: float, periods: int
+    ) -> DemandHistory | None:
+        """The kept history; a fresh one when none is kept or it cannot be used; None when
+        the API did not answer (read again next round: starting afresh would overwrite
+        the kept days)."""
+        name = history_config_map(llmi.metadata.name)
+        try:
+            found = self.kube.get("v1", "ConfigMap", llmi.metadata.namespace, name)
+        except KubeError as exc:
+            log.warning("could not read %s: %s", name, exc)
+            return None
+        try:
+            return DemandHistory.from_data((found or {}).get("data"), period, periods)
+        except HistoryError as exc:
+            log.warning("%s: starting the demand history afresh: %s", name, exc)
+            return DemandHistory(period, periods)
+
+    def _remember_demand(
+        self, llmi: LLMInference, memory: _Memory, demand: float | None, now: float
+    ) -> None:
+        """Record the fleet's demand; once a slot, write the history to its ConfigMap,
+        owned by the resource (deleted with it)."""
+        if memory.demand is None:
+            return
+        if demand is not None:
+            memory.demand.record(now, demand)
+        slot = int(now // SLOT_SECONDS)
+        if memory.saved_slot == slot:
+            return
+        config_map = with_owner(
+            {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": {
+                    "name": history_config_map(llmi.metadata.name),
+                    "namespace": llmi.metadata.namespace,
+                    "labels": selector_labels(llmi),
+                },
+                "data": memory.demand.to_data(),
+            },
+            llmi,
+        )
+        memory.saved_slot = slot  # one try a slot: a refused write is not resent every round
+        try:
+            self.kube.apply(config_map, manager=AUTOSCALER_MANAGER)
+        except KubeError as exc:  # kept in memory; written again next slot
+            log.warning("could not write %s: %s", config_map["metadata"]["name"], exc)
 
     def _mark_deletion_costs(
         self, llmi: LLMInference, pods: list[dict[str, Any]], memory: _Memory
@@ -246,6 +352,11 @@ class Autoscaler:
                 )
             except KubeError as exc:  # best effort: the scale-in goes ahead regardless
                 log.warning("could not set the deletion cost of pod %s: %s", name, exc)
+
+
+def history_config_map(name: str) -> str:
+    """The ConfigMap that keeps a resource's demand history."""
+    return f"{name}-demand-history"
 
 
 def policy_for(llmi: LLMInference, spec: AutoscalingSpec) -> Policy:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 from brook_operator.api.autoscaling import AutoscalingSpec
 
 #: Signals a policy may use; the simulator's ablations turn some off.
-SIGNALS = frozenset({"kv", "queue", "overlap"})
+SIGNALS = frozenset({"kv", "queue", "overlap", "arrival"})
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,11 @@ class ReplicaSignals:
     overlap_ratio: float | None = None
     sample_age_seconds: float | None = None
     """Time since the sample was read; None when there is none."""
+
+    demand_tokens_per_second: float | None = None
+    """Tokens arriving per second (prompt tokens accepted or refused, plus tokens generated)
+    between this sample and the replica's previous one (``rates.demand_rate``); None
+    without two readings."""
 
     def saturation(self, max_num_seqs: int | None) -> float | None:
         """The scarcer of the two resources the scheduler admits against: KV blocks and
@@ -65,7 +70,11 @@ class Policy:
     """Batch slots per replica (``scheduler.maxNumSeqs``); None: KV usage alone."""
 
     signals: frozenset[str] = SIGNALS
-    """Which signals drive decisions (all three in Brook's policy)."""
+    """Which signals drive decisions (all four in Brook's policy)."""
+
+    replica_tokens_per_second: float | None = None
+    """Tokens per second one replica serves at the target usage; None: learned
+    (``capacity.CapacityEstimate``)."""
 
     def __post_init__(self) -> None:
         unknown = self.signals - SIGNALS
@@ -124,6 +133,8 @@ class Aggregate:
     replicas_reporting: int
     ready: int
     starting: int
+    demand_tokens_per_second: float | None = None
+    """Sum over the replicas that reported a rate."""
 
 
 @dataclass(frozen=True)
@@ -141,6 +152,11 @@ class Decision:
     aggregate: Aggregate
     queue_high: bool = False
     signal_recommendations: dict[str, int] = field(default_factory=dict)
+    capacity_tokens_per_second: float | None = None
+    """Per-replica capacity the arrival signal sized against (None: not known yet)."""
+
+    forecast_tokens_per_second: float | None = None
+    """The demand earlier days saw within the lead ahead (None: no predictive term)."""
 
     def recommendation_at(self, now: float) -> Recommendation:
         return Recommendation(now, self.recommendation, self.queue_high, self.desired)

@@ -1,6 +1,6 @@
-"""Steps 1 to 6 of ``policy.decide``: from the replicas' signals to the recommendation, one
+"""Steps 1 to 7 of ``policy.decide``: from the replicas' signals to the recommendation, one
 pure function each, numbered as in the docstring of ``brook_operator.autoscaler.policy``
-(which explains the formula). ``limits`` holds steps 7 to 9."""
+(which explains the formula). ``limits`` holds steps 8 to 10."""
 
 from __future__ import annotations
 
@@ -79,6 +79,7 @@ def _finite(replica: ReplicaSignals) -> bool:
         replica.running_requests,
         replica.overlap_ratio,
         replica.sample_age_seconds,
+        replica.demand_tokens_per_second,
     )
     return all(v is None or math.isfinite(v) for v in values)
 
@@ -149,7 +150,12 @@ def aggregate(fresh: Sequence[ReplicaSignals], ready: int, starting: int) -> Agg
         replicas_reporting=len(fresh),
         ready=ready,
         starting=starting,
+        demand_tokens_per_second=(sum(rates) if (rates := _rates(fresh)) else None),
     )
+
+
+def _rates(fresh: Sequence[ReplicaSignals]) -> list[float]:
+    return [r.demand_tokens_per_second for r in fresh if r.demand_tokens_per_second is not None]
 
 
 # 3. Saturation (and the queue's sums, for step 5)
@@ -260,7 +266,60 @@ def queue_vote(load: Load, current: int, policy: Policy, history: Sequence[Recom
     return Vote(None, None)
 
 
-# 6. Recommendation: every signal's vote (``decide`` takes the largest)
+# 6. Arrivals (a surge)
+
+#: How far above the fleet's capacity the arriving demand must be to vote: well outside the
+#: noise of one interval's arrivals, so only a surge speaks; below it the saturation and
+#: queue signals size the fleet.
+SURGE = 1.5
+
+
+def arrival_vote(
+    fresh: Sequence[ReplicaSignals],
+    load: Load,
+    current: int,
+    policy: Policy,
+    capacity: float | None,
+    history: Sequence[Recommendation] = (),
+) -> Vote | None:
+    """A surge, seen at the first reading after it starts: when the tokens arriving per
+    second exceed ``SURGE`` times what the fleet serves at its target, the replicas that
+    demand needs, ``ceil(Σ demand_i / capacity)``. A climb the step limit cut short (the
+    last recommendation is above the current size) goes on while the demand stays above
+    the band: the replicas just added count in the fleet's capacity, and must not end the
+    surge halfway. Otherwise a floor for scale-in. A replica without a rate yet counts as
+    serving exactly its capacity. None when the signal is off or the capacity unknown."""
+    if "arrival" not in policy.signals or capacity is None or capacity <= 0:
+        return None
+    known = _rates(fresh)
+    unknown = len(fresh) - len(known) + load.missing
+    demand = sum(known) + unknown * capacity
+    usage = demand / (load.capacity * capacity)
+    climbing = bool(history) and history[-1].replicas > current
+    if usage > SURGE or (climbing and usage > 1 + policy.tolerance):
+        replicas = _ceil(demand / capacity)
+        return Vote(
+            replicas,
+            f"arrivals {demand:.0f} tok/s = {usage:.1f}x the capacity of {load.capacity} "
+            f"({capacity:.0f} tok/s each): {replicas}",
+        )
+    # Otherwise a floor for scale-in: no fewer replicas than the arriving tokens fill to
+    # the top of the band.
+    floor = min(current, _ceil(demand / (capacity * (1 + policy.tolerance))))
+    return Vote(floor, None)
+
+
+def forecast_vote(forecast: float | None, capacity: float | None) -> Vote | None:
+    """The predictive term (``spec.autoscaling.history``): the replicas the demand expected
+    within the lead needs, ``ceil(forecast / capacity)``; None without a forecast or a
+    capacity."""
+    if forecast is None or capacity is None or capacity <= 0:
+        return None
+    replicas = max(1, _ceil(forecast / capacity))
+    return Vote(replicas, f"earlier days: {forecast:.0f} tok/s ahead: {replicas}")
+
+
+# 7. Recommendation: every signal's vote (``decide`` takes the largest)
 
 
 def signal_votes(
@@ -269,6 +328,9 @@ def signal_votes(
     policy: Policy,
     history: Sequence[Recommendation],
     overlap: float | None,
+    fresh: Sequence[ReplicaSignals] = (),
+    capacity: float | None = None,
+    forecast: float | None = None,
 ) -> dict[str, Vote]:
     """Each signal the policy uses, with its vote (the overlap rule speaks for ``kv``)."""
     votes: dict[str, Vote] = {}
@@ -278,4 +340,10 @@ def signal_votes(
         )
     if "queue" in policy.signals:
         votes["queue"] = queue_vote(load, current, policy, history)
+    arrival = arrival_vote(fresh, load, current, policy, capacity, history)
+    if arrival is not None:
+        votes["arrival"] = arrival
+    ahead = forecast_vote(forecast, capacity)
+    if ahead is not None:
+        votes["history"] = ahead
     return votes

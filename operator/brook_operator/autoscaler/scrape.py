@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from prometheus_client.parser import text_string_to_metric_families
 
 from brook_engine.metrics import names
+from brook_operator.autoscaler.rates import DemandCounters
 
 #: Longest a scrape may take; a slow engine is reported stale, not waited for.
 SCRAPE_TIMEOUT_SECONDS = 3.0
@@ -34,6 +35,9 @@ class EngineSample:
     overlap_ratio: float | None
     """None from an engine that does not export it (treated as 1: no communication)."""
 
+    demand: DemandCounters | None = None
+    """The demand counters; None from an engine without them (no arrival signal)."""
+
 
 def parse_metrics(text: str) -> EngineSample:
     """The autoscaler's inputs from a Prometheus text exposition."""
@@ -42,6 +46,9 @@ def parse_metrics(text: str) -> EngineSample:
         names.NUM_REQUESTS_WAITING,
         names.NUM_REQUESTS_RUNNING,
         names.COMM_COMPUTE_OVERLAP_RATIO,
+        names.PROMPT_TOKENS_TOTAL,
+        names.GENERATION_TOKENS_TOTAL,
+        names.REFUSED_PROMPT_TOKENS_TOTAL,
     }
     values: dict[str, float] = {}
     try:
@@ -58,6 +65,8 @@ def parse_metrics(text: str) -> EngineSample:
     waiting = values[names.NUM_REQUESTS_WAITING]
     running = values.get(names.NUM_REQUESTS_RUNNING)
     overlap = values.get(names.COMM_COMPUTE_OVERLAP_RATIO)
+    prompt = values.get(names.PROMPT_TOKENS_TOTAL)
+    generated = values.get(names.GENERATION_TOKENS_TOTAL)
     # NaN and ±Inf are valid in the exposition format and pass every comparison below
     # (NaN < 0 is False): a pod reporting them has no usable sample, it is stale.
     bad = sorted(k for k, v in values.items() if not math.isfinite(v))
@@ -68,12 +77,22 @@ def parse_metrics(text: str) -> EngineSample:
         or waiting < 0
         or (running is not None and running < 0)
         or (overlap is not None and not 0.0 <= overlap <= 1)
+        or any(v < 0 for v in (prompt, generated) if v is not None)
     ):
         raise ScrapeError(
-            f"metrics out of range: kv={kv} waiting={waiting} running={running} overlap={overlap}"
+            f"metrics out of range: kv={kv} waiting={waiting} running={running} "
+            f"overlap={overlap} prompt_tokens={prompt} generation_tokens={generated}"
         )
+    demand = None
+    if prompt is not None and generated is not None:
+        refused = max(0.0, values.get(names.REFUSED_PROMPT_TOKENS_TOTAL, 0.0))
+        demand = DemandCounters(prompt, generated, refused)
     return EngineSample(
-        kv_cache_usage=kv, waiting_requests=waiting, running_requests=running, overlap_ratio=overlap
+        kv_cache_usage=kv,
+        waiting_requests=waiting,
+        running_requests=running,
+        overlap_ratio=overlap,
+        demand=demand,
     )
 
 

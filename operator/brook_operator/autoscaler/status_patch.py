@@ -42,6 +42,9 @@ def autoscaling_status(
         "kvCacheUsage": _round(aggregate.kv_cache_usage),
         "overlapRatio": _round(aggregate.overlap_ratio),
         "waitingRequests": _round(aggregate.waiting_requests),
+        "demandTokensPerSecond": _round(aggregate.demand_tokens_per_second),
+        "replicaTokensPerSecond": _round(decision.capacity_tokens_per_second),
+        "forecastTokensPerSecond": _round(decision.forecast_tokens_per_second),
         "replicasReporting": aggregate.replicas_reporting,
         "sampleTime": sample_time,
     }

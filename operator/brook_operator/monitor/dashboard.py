@@ -213,7 +213,9 @@ def _autoscaler(resource: Mapping[str, Any] | None) -> RenderableType:
         Text(
             f"signals: KV {fmt.percent(signals.get('kvCacheUsage'))} · overlap "
             f"{fmt.percent(signals.get('overlapRatio'))} · waiting "
-            f"{fmt.number(signals.get('waitingRequests'))}/replica · "
+            f"{fmt.number(signals.get('waitingRequests'))}/replica · arriving "
+            f"{fmt.number(signals.get('demandTokensPerSecond'), ' tok/s')} of "
+            f"{fmt.number(signals.get('replicaTokensPerSecond'), ' tok/s')}/replica · "
             f"{signals.get('replicasReporting', 0)} reporting"
         )
     ]

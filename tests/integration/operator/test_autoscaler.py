@@ -47,7 +47,7 @@ AUTOSCALING = {
 }
 
 
-def _manifest() -> dict[str, Any]:
+def _manifest(autoscaling: dict[str, Any] = AUTOSCALING) -> dict[str, Any]:
     return {
         "apiVersion": "brook.dev/v1alpha1",
         "kind": "LLMInference",
@@ -55,7 +55,7 @@ def _manifest() -> dict[str, Any]:
         "spec": {
             "model": {"uri": "file:///models/tiny-llama", "servedName": "tiny"},
             "accelerator": {"type": "cpu", "devicesPerNode": 1},
-            "autoscaling": AUTOSCALING,
+            "autoscaling": autoscaling,
         },
     }
 
@@ -299,3 +299,43 @@ def test_load_scales_out_stale_metrics_hold_idleness_scales_in(
     decisions = _llmi(api)["status"]["autoscaling"]["lastDecisions"]
     assert (decisions[-1]["fromReplicas"], decisions[-1]["toReplicas"]) == (2, 1), decisions
     assert 'brook_operator_autoscaler_decisions_total{outcome="scale_in"}' in operator.metrics()
+
+
+def test_a_surge_of_arrivals_scales_out_from_the_engines_counters(
+    kube_api: KubeApi, fleet: Fleet, operator: OperatorProcess
+) -> None:
+    """The arrival signal end to end: the engine counts the prompt tokens it receives and
+    the tokens it generates, the operator reads them twice an interval apart, and a demand
+    above 1.5 times the fleet's capacity (here configured, replicaTokensPerSecond) scales
+    out at once. KV usage (target 1.0) and the queue (target 100) cannot: only the
+    arrivals can take the fleet past one replica."""
+    api = kube_api
+    address = ADDRESSES[0]
+    server = fleet.start_server(address)
+    surge_policy = {
+        **AUTOSCALING,
+        "maxReplicas": 3,
+        "targetKvCacheUsage": 1.0,
+        "targetWaitingRequests": 100,
+        "replicaTokensPerSecond": 20,
+    }
+    api.create(_manifest(surge_policy))
+    _wait(lambda: _replicas(api) == 1, "the Deployment at minReplicas")
+    fleet.add_pod(address)
+    _wait(
+        lambda: _condition(_llmi(api), "MetricsAvailable").get("status") == "True",
+        "metrics read from the pod",
+    )
+    assert _replicas(api) == 1  # idle: nothing arrives
+    load = Load(server, concurrency=2, prompt=20, tokens=40)
+    try:
+        _wait(lambda: _replicas(api) == 3, "a scale-out on the arrivals")
+    finally:
+        load.stop()
+    llmi = _llmi(api)
+    decision = llmi["status"]["autoscaling"]["lastDecisions"][-1]
+    assert (decision["fromReplicas"], decision["toReplicas"]) == (1, 3), decision
+    assert "arrivals" in decision["reason"], decision
+    signals = llmi["status"]["autoscaling"]["signals"]
+    assert signals["replicaTokensPerSecond"] == 20
+    assert signals["demandTokensPerSecond"] > 1.5 * 20, signals

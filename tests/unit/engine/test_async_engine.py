@@ -4,6 +4,7 @@ blocks, a failed step ends only its requests, and stopping ends what is left."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -104,10 +105,40 @@ def test_a_full_queue_is_refused(make_tiny_model: Any) -> None:
         engine = AsyncEngine(llm.engine)
         engine.start()
         with pytest.raises(QueueFullError):
-            await engine.add([SubRequest("a", [5], GREEDY)])
+            await engine.add([SubRequest("a", [5, 6, 7], GREEDY)])
         await engine.stop()
+        # Demand turned away is counted (the autoscaler's arrival signal reads it), apart
+        # from the prompt tokens the engine took in.
+        stats = llm.engine.stats()
+        assert (stats.num_refused_prompt_tokens_total, stats.num_prompt_tokens_total) == (3, 0)
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    ("ended_ago", "retry_after"),
+    [
+        ((), 1),  # nothing ended in the last minute: no estimate, the shortest
+        ((9.5, 5.0), 10),  # a request ends every ~9.5 s: it frees the slot the waiting one takes
+        ((59.5, 59.0), 60),  # a stalled engine: capped
+        ((200.0, 100.0), 1),  # older than a minute: no estimate
+    ],
+)
+def test_a_refused_request_is_told_when_the_queue_moves(
+    make_tiny_model: Any, ended_ago: tuple[float, ...], retry_after: int
+) -> None:
+    path = Path(make_tiny_model("llama"))
+    llm = LLM(
+        str(path), dtype="float32", device="cpu", num_blocks=64, progress=False,
+        scheduler={"max_num_seqs": 1, "max_waiting_requests": 1},
+    )  # fmt: skip
+    engine = llm.engine
+    engine.add_request("waits", [5], GREEDY)
+    now = time.monotonic()
+    engine._recent_finishes.extend(now - ago for ago in ended_ago)
+    with pytest.raises(QueueFullError) as refused:
+        engine.add_request("refused", [5, 6], GREEDY)
+    assert refused.value.retry_after_seconds == retry_after
 
 
 def test_a_failed_step_ends_its_requests_and_the_engine_goes_on(

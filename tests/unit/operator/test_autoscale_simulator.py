@@ -43,7 +43,12 @@ from brook_operator.autoscaler.simulate.replica import Job, Outcome, Replica
 from brook_operator.autoscaler.simulate.report import reversals, summary
 from brook_operator.autoscaler.simulate.router import Router, has_room
 from brook_operator.autoscaler.simulate.run import _Fleet
-from brook_operator.autoscaler.simulate.trace import TRACES_DIR, parse_trace, trace_text
+from brook_operator.autoscaler.simulate.trace import (
+    TRACES_DIR,
+    parse_trace,
+    resolve_trace,
+    trace_text,
+)
 from brook_operator.cli import main
 
 
@@ -281,7 +286,9 @@ def test_compare_scores_every_policy_against_static_peak() -> None:
     out = compare(requests, profile, _spec(), slo_seconds=1.0)
     assert set(out.rows) == {
         "brook",
+        "brook-history",
         "no-overlap",
+        "no-arrival",
         "kv-only",
         "queue-only",
         "static-peak",
@@ -371,6 +378,12 @@ def test_foresight_serves_a_step_that_a_perfect_reactive_scaler_misses() -> None
 
 # -- shipped traces ------------------------------------------------------------------------
 
+MULTI_DAY = {"daily-surge"}
+
+
+def name_of(path: Path) -> str:
+    return path.name.removesuffix(".csv.gz")
+
 
 def test_regenerating_the_shipped_traces_gives_identical_files(tmp_path: Path) -> None:
     assert shipped_traces() == sorted(make_traces.TRACES)
@@ -379,13 +392,16 @@ def test_regenerating_the_shipped_traces_gives_identical_files(tmp_path: Path) -
         # The CSV text is the contract; the gzip bytes match too with the same zlib.
         assert gzip.decompress(path.read_bytes()) == gzip.decompress(shipped.read_bytes())
         assert path.read_bytes() == shipped.read_bytes()
-        assert shipped.stat().st_size < 300_000
+        # Three days of arrivals are 200k rows; an hour is a few thousand.
+        limit = 2_000_000 if name_of(path) in MULTI_DAY else 300_000
+        assert shipped.stat().st_size < limit
 
 
 def test_shipped_traces_are_an_hour_of_plausible_requests() -> None:
     for name in shipped_traces():
         requests = read_trace(TRACES_DIR / f"{name}.csv.gz")
-        assert 3500 < requests[-1].arrival_s <= 3600
+        end = 3 * 86_400 if name in MULTI_DAY else 3600
+        assert end - 100 < requests[-1].arrival_s <= end
         assert trace_text(requests) == trace_text(make_traces.make(name))
     burst = read_trace(TRACES_DIR / "long-prompt-burst.csv.gz")
     long = [r for r in burst if r.input_tokens >= 1500]
@@ -580,3 +596,83 @@ def test_reading_the_gateway_queue_is_for_flow_control() -> None:
         requests, _profile(), _spec(), ["brook"], router="flow-control", reads_gateway_queue=True
     )
     assert seen.rows["brook"]["completed"] == len(requests)
+
+
+# -- the arrival signal --------------------------------------------------------------------
+
+
+def test_replicas_count_what_arrives_and_what_they_generate() -> None:
+    """The two counters the arrival signal reads: every prompt token routed to a replica,
+    and every token generated (the prefill step's first one included)."""
+    outcome = Outcome(3, 1.0)
+    replica = Replica("r", _profile(), 0.0, 0.0, outcome)
+    for i, (prompt, output) in enumerate([(100, 5), (50, 1), (30, 12)]):
+        replica.add(Job(i, 0.0, prompt, output))
+    for step in range(40):
+        replica.advance(step * 0.25, 0.25)
+    assert outcome.completed == 3
+    assert replica.prompt_tokens_received == 180
+    assert replica.tokens_generated == pytest.approx(5 + 1 + 12)
+
+
+def test_the_arrival_signal_meets_a_step_at_the_next_decision() -> None:
+    """The shipped spike: 25 minutes of steady load teach the policy what a replica serves;
+    then the load quadruples. With the arrival signal the fleet grows at the first decision
+    after the step, to what the arriving tokens need, before KV usage has climbed; without
+    it the fleet climbs a replica or two at a time, and the step's requests wait."""
+    requests = read_trace(resolve_trace("spike"))
+    profile = load_profile()
+    spec = AutoscalingSpec(max_replicas=profile.max_replicas)
+    step = 25 * 60.0
+    runs = {
+        name: simulate(requests, profile, 3, autoscaled(name, spec, profile.max_num_seqs))
+        for name in ("brook", "no-arrival")
+    }
+
+    def first_up(result: RunResult) -> tuple[float, int, int]:
+        return min(e for e in result.scale_events if e[0] >= step and e[2] > e[1])
+
+    brook, before = first_up(runs["brook"]), first_up(runs["no-arrival"])
+    assert brook[0] <= step + spec.interval_seconds, brook
+    assert brook[2] - brook[1] == spec.max_scale_up_step, brook  # as many as one step allows
+    assert before[2] - before[1] < brook[2] - brook[1], before
+    decision = next(d for d in runs["brook"].decisions if d[0] == brook[0])
+    assert "arrivals" in decision[4], decision
+    met = {n: attainment(r, profile.ttft_slo_seconds) for n, r in runs.items()}
+    assert met["brook"] >= 0.99 > met["no-arrival"], met
+
+
+def test_the_predictive_term_meets_a_recurring_surge_before_it_starts() -> None:
+    """Three periods (an hour each here, standing for days) with the same 10-minute surge
+    at minute 30, and replicas that take a minute to start. The reactive policy misses the start of
+    every surge; with the history the second and third are met, for a few more
+    replica-minutes before each."""
+    hour = 3600.0
+    parts = []
+    for h in range(3):
+        base = h * hour
+        parts += [(3.0, base, base + 1800), (14.0, base + 1800, base + 2400)]
+        parts += [(3.0, base + 2400, base + hour)]
+    requests = _trace(*parts)
+    profile = _profile(cold_start_seconds=60)
+    spec = _spec(
+        replicaTokensPerSecond=900,  # the base load never nears the target to learn it
+        history={"leadSeconds": 300, "periodSeconds": 3600, "periods": 2},
+    )
+    runs = {
+        name: simulate(requests, profile, 1, autoscaled(name, spec.model_copy(update=change)))
+        for name, change in (("brook", {"history": None}), ("brook-history", {}))
+    }
+
+    def surge_met(result: RunResult, h: int) -> float:
+        start = h * hour + 1800
+        idx = [i for i, r in enumerate(requests) if start <= r.arrival_s < start + 600]
+        return sum(1 for i in idx if result.ttft[i] <= profile.ttft_slo_seconds) / len(idx)
+
+    reactive, predictive = runs["brook"], runs["brook-history"]
+    assert surge_met(predictive, 0) == pytest.approx(surge_met(reactive, 0))  # no history yet
+    for h in (1, 2):
+        assert surge_met(predictive, h) >= 0.99 > surge_met(reactive, h), h
+        ahead = [e for e in predictive.scale_events if h * hour + 1500 <= e[0] < h * hour + 1800]
+        assert ahead and ahead[0][2] > ahead[0][1], predictive.scale_events
+    assert predictive.replica_seconds < 1.2 * reactive.replica_seconds

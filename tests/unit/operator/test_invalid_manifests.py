@@ -88,6 +88,28 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
         {"spec.replicas": DELETE, "spec.autoscaling": {"minReplicas": 5, "maxReplicas": 2}},
         "spec.autoscaling.minReplicas",
     ),
+    (
+        "history-lead-of-a-whole-period",
+        {
+            "spec.replicas": DELETE,
+            "spec.autoscaling": {
+                "maxReplicas": 4,
+                "history": {"leadSeconds": 3600, "periodSeconds": 3600},
+            },
+        },
+        "spec.autoscaling.history.leadSeconds",
+    ),
+    (
+        "history-beyond-its-configmap",
+        {
+            "spec.replicas": DELETE,
+            "spec.autoscaling": {
+                "maxReplicas": 4,
+                "history": {"periods": 28, "periodSeconds": 604800},
+            },
+        },
+        "spec.autoscaling.history.periods",
+    ),
     ("replicas-and-autoscaling", {"spec.autoscaling": {"maxReplicas": 4}}, "spec.replicas"),
     (
         "autoscaling-without-max",

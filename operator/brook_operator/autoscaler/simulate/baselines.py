@@ -1,7 +1,13 @@
 """The policies a trace is replayed against.
 
-- ``brook``: Brook's policy, every signal (KV cache, queue, overlap).
-- ``kv-only``: the ablation without the queue and overlap signals.
+- ``brook``: Brook's policy, every signal (KV cache, queue, overlap, arrivals), with the
+  predictive term when the spec sets ``history``.
+- ``brook-history``: the same with the predictive term on (the spec's ``history``, or its
+  defaults): it looks at the same time of earlier days, so on a one-hour trace it is
+  ``brook``.
+- ``no-overlap``, ``no-arrival``: the ablations without the overlap signal, and without the
+  arrival signal (Brook's policy before it had one).
+- ``kv-only``: the ablation with the saturation signal alone.
 - ``queue-only``: the KEDA-style baseline: the waiting queue alone, both ways, polled every
   30 s, with the HPA's default behaviour (no scale-up window, a 300 s scale-down window, at
   most 4 replicas up and any number down per decision, no startup grace).
@@ -23,8 +29,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from brook_operator.api.autoscaling import AutoscalingSpec
-from brook_operator.autoscaler.policy import Policy
+from brook_operator.api.autoscaling import AutoscalingSpec, HistorySpec
+from brook_operator.autoscaler.policy import SIGNALS, Policy
 from brook_operator.autoscaler.simulate.oracle import ORACLES
 from brook_operator.autoscaler.simulate.profile import Profile
 from brook_operator.autoscaler.simulate.run import Autoscaled, RunResult, simulate
@@ -32,7 +38,9 @@ from brook_operator.autoscaler.simulate.trace import Request
 
 POLICIES = (
     "brook",
+    "brook-history",
     "no-overlap",
+    "no-arrival",
     "kv-only",
     "queue-only",
     "static-peak",
@@ -47,10 +55,13 @@ QUEUE_ONLY_INTERVAL_SECONDS = 30
 def autoscaled(name: str, spec: AutoscalingSpec, max_num_seqs: int | None = None) -> Autoscaled:
     """The policy ``name`` (one of the autoscaled ones) from the user's ``spec``; the
     replica's batch slots (``max_num_seqs``) as the operator reads them from the spec."""
-    if name == "brook":
-        return Autoscaled(Policy.from_spec(spec, max_num_seqs=max_num_seqs), spec.interval_seconds)
-    if name == "no-overlap":  # the ablation that isolates the overlap signal
-        policy = Policy.from_spec(spec, frozenset({"kv", "queue"}), max_num_seqs=max_num_seqs)
+    if name in ("brook", "brook-history"):
+        history = spec.history or (HistorySpec() if name == "brook-history" else None)
+        policy = Policy.from_spec(spec, max_num_seqs=max_num_seqs)
+        return Autoscaled(policy, spec.interval_seconds, history=history)
+    if name in ("no-overlap", "no-arrival"):  # the ablations that isolate one signal
+        without = SIGNALS - {name.removeprefix("no-")}
+        policy = Policy.from_spec(spec, without, max_num_seqs=max_num_seqs)
         return Autoscaled(policy, spec.interval_seconds)
     if name == "kv-only":
         policy = Policy.from_spec(spec, frozenset({"kv"}), max_num_seqs=max_num_seqs)

@@ -96,6 +96,19 @@ def compare(
         max(spec.min_replicas, baselines.scaled_to_demand(peak.replicas, demand[0], top)),
     )
     out = Comparison(slo, peak, initial)
+
+    def run_oracle(name: str, headroom: float) -> RunResult:
+        bound = oracle(
+            name,
+            requests,
+            tokens_per_replica=top / peak.replicas,
+            cold_start_seconds=profile.cold_start_seconds,
+            headroom=headroom,
+            min_replicas=spec.min_replicas,
+            max_replicas=spec.max_replicas,
+        )
+        return run(requests, profile, initial, Autoscaled(None, spec.interval_seconds, bound), slo)
+
     peak_hours = peak.result.replica_seconds / 3600
     window = spec.scale_down_stabilization_seconds
     for name in names:
@@ -107,18 +120,7 @@ def compare(
             result = run(requests, profile, mean, None, slo)
             extra = {"replicas": mean}
         elif name in ORACLES:
-            bound = oracle(
-                name,
-                requests,
-                tokens_per_replica=top / peak.replicas,
-                cold_start_seconds=profile.cold_start_seconds,
-                headroom=oracle_headroom,
-                min_replicas=spec.min_replicas,
-                max_replicas=spec.max_replicas,
-            )
-            result = run(
-                requests, profile, initial, Autoscaled(None, spec.interval_seconds, bound), slo
-            )
+            result = run_oracle(name, oracle_headroom)
             extra = {"initial_replicas": initial, "headroom": oracle_headroom}
         else:
             result = run(
@@ -134,4 +136,13 @@ def compare(
             extra = {"initial_replicas": initial}
         out.results[name] = result
         out.rows[name] = {**summary(result, slo, peak_hours, window), **extra}
+    # Every policy against the clairvoyant bound at headroom 1 (run for it when not asked
+    # for, or asked for at another headroom).
+    clairvoyant = out.results.get("oracle-clairvoyant")
+    if clairvoyant is None or oracle_headroom != 1.0:
+        clairvoyant = run_oracle("oracle-clairvoyant", 1.0)
+    for row in out.rows.values():
+        row["replica_hours_vs_clairvoyant"] = round(
+            row["replica_hours"] / (clairvoyant.replica_seconds / 3600), 3
+        )
     return out

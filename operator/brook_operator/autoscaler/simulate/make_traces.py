@@ -4,9 +4,9 @@ brook_operator.autoscaler.simulate.make_traces [--out DIR]`` rewrites
 
 Each trace is one hour of Poisson arrivals (thinned from the peak rate, so the rate may vary
 over time), sized so that the ``smollm2-135m-cpu`` profile needs a handful of replicas at
-peak. Lengths are log-normal and clipped, chat-like: prompts of a few hundred tokens
-(median 384), answers of ~128 tokens; the long prompts of ``long-prompt-burst`` are a few
-thousand tokens.
+peak; ``daily-surge`` spans three days, for the predictive term. Lengths are log-normal and
+clipped, chat-like: prompts of a few hundred tokens (median 384), answers of ~128 tokens;
+the long prompts of ``long-prompt-burst`` are a few thousand tokens.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 from brook_operator.autoscaler.simulate.trace import TRACES_DIR, Request, write_trace
 
 HOUR = 3600.0
+DAY = 24 * HOUR
 SEED = 20240601
 
 
@@ -110,11 +111,29 @@ def long_prompt_burst(rng: random.Random) -> list[Request]:
     return _merged(chat, long)
 
 
+def daily_surge(rng: random.Random) -> list[Request]:
+    """Three days. A day's load follows the sun (0.3 requests/s at 03:00, 1.2 at 15:00),
+    and every morning a surge — a launch, a batch job, a team logging on — brings
+    3.6 requests/s for 20 minutes from about 09:00: a fourfold step that recurs, a few
+    minutes later or earlier each day."""
+    night, day, surge = 0.3, 1.2, 3.6
+    starts = [d * DAY + 9 * HOUR + rng.uniform(-300.0, 300.0) for d in range(3)]
+
+    def rate(t: float) -> float:
+        if any(s <= t < s + 1200.0 for s in starts):
+            return surge
+        phase = (t % DAY - 3 * HOUR) / DAY
+        return night + (day - night) * (1 - math.cos(2 * math.pi * phase)) / 2
+
+    return _stream(rng, rate, surge, CHAT_INPUT, CHAT_OUTPUT, end=3 * DAY)
+
+
 TRACES: dict[str, Callable[[random.Random], list[Request]]] = {
     "diurnal": diurnal,
     "spike": spike,
     "flat": flat,
     "long-prompt-burst": long_prompt_burst,
+    "daily-surge": daily_surge,
 }
 
 

@@ -101,6 +101,10 @@ class Replica:
         self.blocked = False
         """A preemption happened: admit nothing until a request finishes."""
 
+        self.prompt_tokens_received = 0.0
+        self.tokens_generated = 0.0
+        """The engine's demand counters: prompt tokens received, tokens generated."""
+
     def is_ready(self, now: float) -> bool:
         return self.ready_at <= now
 
@@ -117,6 +121,7 @@ class Replica:
 
     def add(self, job: Job) -> None:
         self.waiting.append(job)
+        self.prompt_tokens_received += job.prompt
 
     def advance(self, now: float, span: float) -> None:
         """Run the engine from ``now`` for ``span`` seconds."""
@@ -161,6 +166,7 @@ class Replica:
                 head.prefill_left -= done
                 self.prefill_pending -= done
             self.d += seg / step
+            self.tokens_generated += num_decoding * seg / step
             t += seg
             if event == _PREFILLED:
                 self._prefilled(t)
@@ -193,6 +199,7 @@ class Replica:
         """The oldest prompt is prefilled: its first token is out."""
         job = self.prefilling.popleft()
         self.prefill_pending = self.prefill_pending - job.prefill_left if self.prefilling else 0.0
+        self.tokens_generated += 1  # the prefill step's token
         outcome = self.outcome
         if math.isnan(outcome.ttft[job.index]):
             ttft = now - job.arrival

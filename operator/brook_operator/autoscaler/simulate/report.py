@@ -53,6 +53,10 @@ def summary(
         "max_replicas": max(n for _, n in result.timeline),
         "scale_events": len(result.scale_events),
         "reversals": reversals(result.scale_events, reversal_window_seconds),
+        "reversals_per_hour": round(
+            reversals(result.scale_events, reversal_window_seconds) / (result.duration_s / 3600),
+            2,
+        ),
         "requests": requests,
         "completed": result.completed,
         "preemptions": result.preemptions,
@@ -70,10 +74,12 @@ _COLUMNS = (
     ("ttft_p99_s", "{:.2f}", 7),
     ("replica_hours", "{:.2f}", 8),
     ("replica_hours_vs_static_peak", "{:.2f}", 8),
+    ("replica_hours_vs_clairvoyant", "{:.2f}", 9),
     ("mean_replicas", "{:.2f}", 7),
     ("max_replicas", "{}", 5),
     ("scale_events", "{}", 6),
     ("reversals", "{}", 5),
+    ("reversals_per_hour", "{:.2f}", 6),
     ("preemptions", "{}", 6),
 )
 _HEADERS = {
@@ -82,10 +88,12 @@ _HEADERS = {
     "ttft_p99_s": "p99 s",
     "replica_hours": "rep·h",
     "replica_hours_vs_static_peak": "vs peak",
+    "replica_hours_vs_clairvoyant": "vs clairv",
     "mean_replicas": "mean",
     "max_replicas": "max",
     "scale_events": "scales",
     "reversals": "revs",
+    "reversals_per_hour": "revs/h",
     "preemptions": "preempt",
 }
 

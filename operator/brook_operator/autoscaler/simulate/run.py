@@ -22,7 +22,11 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from brook_operator.api.autoscaling import HistorySpec
+from brook_operator.autoscaler.capacity import CapacityEstimate
+from brook_operator.autoscaler.history import DemandHistory, observed_demand
 from brook_operator.autoscaler.policy import Policy, Recommendation, ReplicaSignals, decide
+from brook_operator.autoscaler.rates import DemandCounters, demand_rate
 from brook_operator.autoscaler.simulate.oracle import Oracle
 from brook_operator.autoscaler.simulate.profile import Profile
 from brook_operator.autoscaler.simulate.replica import Job, Outcome, Replica
@@ -46,6 +50,9 @@ class Autoscaled:
     reads_gateway_queue: bool = False
     """The policy also counts requests held at the gateway as waiting (what reading the
     endpoint picker's flow-control queue would give; Brook's loop reads only the engines)."""
+
+    history: HistorySpec | None = None
+    """The predictive term's settings (``spec.autoscaling.history``); None: reactive."""
 
     def __post_init__(self) -> None:
         if (self.policy is None) == (self.oracle is None):
@@ -116,10 +123,40 @@ class _Fleet:
         )
 
 
-def signals_of(replicas: Sequence[Replica], now: float, held: int = 0) -> list[ReplicaSignals]:
+@dataclass
+class _Readings:
+    """What the autoscaler remembers between decisions, as the operator's loop does: each
+    replica's last counters (for its demand rate) and the learned capacity."""
+
+    counters: dict[str, tuple[DemandCounters, float]] = field(default_factory=dict)
+    capacity: CapacityEstimate = field(default_factory=CapacityEstimate)
+    demand: DemandHistory | None = None
+    """The fleet's demand over earlier periods, for the predictive term."""
+
+    def rates(self, replicas: Sequence[Replica], now: float) -> dict[str, float | None]:
+        out: dict[str, float | None] = {}
+        seen = {}
+        for r in replicas:
+            if not r.is_ready(now):
+                continue
+            reading = (DemandCounters(r.prompt_tokens_received, r.tokens_generated), now)
+            out[r.name] = demand_rate(self.counters.get(r.name), reading)
+            seen[r.name] = reading
+        self.counters = seen
+        return out
+
+
+def signals_of(
+    replicas: Sequence[Replica],
+    now: float,
+    held: int = 0,
+    rates: dict[str, float | None] | None = None,
+) -> list[ReplicaSignals]:
     """What each non-draining replica's /metrics would say now; ``held`` requests waiting
     at the gateway are counted as waiting, shared evenly by the ready replicas (the queue
-    the autoscaler reads from the endpoint picker under flow control)."""
+    the autoscaler reads from the endpoint picker under flow control); ``rates``: each
+    replica's demand since the previous decision."""
+    rates = rates or {}
     out = []
     num_ready = sum(1 for r in replicas if r.is_ready(now))
     extra = held / num_ready if num_ready else 0.0
@@ -135,6 +172,7 @@ def signals_of(replicas: Sequence[Replica], now: float, held: int = 0) -> list[R
                 running_requests=float(r.num_running) if ready else None,
                 overlap_ratio=r.profile.overlap_ratio(r.num_decoding) if ready else None,
                 sample_age_seconds=0.0 if ready else None,
+                demand_tokens_per_second=rates.get(r.name),
             )
         )
     return out
@@ -187,6 +225,7 @@ def simulate(
         timeline=[(0.0, replicas)],
     )
     gateway: deque[Job] = deque()
+    readings = _Readings()
     last_arrival = requests[-1].arrival_s
     next_job, tick = 0, 0
     next_decision = autoscaled.interval_seconds if autoscaled else float("inf")
@@ -195,7 +234,7 @@ def simulate(
         if autoscaled and now >= next_decision - 1e-9:
             next_decision += autoscaled.interval_seconds
             seen = len(gateway) if autoscaled.reads_gateway_queue else 0
-            _scale(fleet, autoscaled, history, now, result, seen)
+            _scale(fleet, autoscaled, history, now, result, seen, readings)
         while next_job < len(jobs) and jobs[next_job].arrival <= now:
             gateway.append(jobs[next_job])
             next_job += 1
@@ -233,6 +272,7 @@ def _scale(
     now: float,
     result: RunResult,
     held: int = 0,
+    readings: _Readings | None = None,
 ) -> None:
     active = fleet.active()
     if autoscaled.oracle is not None:
@@ -243,7 +283,23 @@ def _scale(
     else:
         policy = autoscaled.policy
         assert policy is not None  # Autoscaled holds one of the two
-        decision = decide(signals_of(active, now, held), len(active), policy, history, now)
+        readings = readings or _Readings()
+        signals = signals_of(active, now, held, readings.rates(active, now))
+        ahead = autoscaled.history
+        if ahead is not None and readings.demand is None:
+            readings.demand = DemandHistory(ahead.period_seconds, ahead.periods)
+        forecast = (
+            readings.demand.forecast(now, ahead.lead_seconds)
+            if ahead is not None and readings.demand is not None
+            else None
+        )
+        decision = decide(
+            signals, len(active), policy, history, now, readings.capacity.value, forecast
+        )
+        readings.capacity.observe(signals, policy)
+        demand = observed_demand(signals, policy)
+        if readings.demand is not None and demand is not None:
+            readings.demand.record(now, demand)
         result.decisions.append(
             (now, decision.current, decision.desired, decision.limited_by, decision.reason)
         )
