@@ -255,7 +255,12 @@ def _cmd_autoscale_simulate(args: argparse.Namespace) -> int:
 
     from brook_operator.autoscaler import simulate as sim
     from brook_operator.autoscaler.simulate.profile import with_measured_start
-    from brook_operator.autoscaler.simulate.report import plot, table, write_decisions
+    from brook_operator.autoscaler.simulate.report import (
+        parse_window,
+        plot,
+        table,
+        write_decisions,
+    )
 
     try:
         trace_path = sim.resolve_trace(args.trace)
@@ -278,6 +283,10 @@ def _cmd_autoscale_simulate(args: argparse.Namespace) -> int:
             )
         spec = sim.load_spec(Path(args.policy), profile) if args.policy else None
         names = [n.strip() for n in args.policies.split(",") if n.strip()]
+        try:
+            window = parse_window(args.window) if args.window else None
+        except ValueError as exc:
+            raise sim.SimulationError(f"--window: {exc}") from None
         if not args.oracle_headroom > 0:
             raise sim.SimulationError(
                 f"--oracle-headroom {args.oracle_headroom:g}: use a positive multiple, e.g. 1.5"
@@ -291,6 +300,7 @@ def _cmd_autoscale_simulate(args: argparse.Namespace) -> int:
             args.oracle_headroom,
             args.router,
             args.read_gateway_queue,
+            window,
         )
         if args.plot:
             title = f"{args.trace} on {profile.name}" + (
@@ -328,6 +338,14 @@ def _cmd_autoscale_simulate(args: argparse.Namespace) -> int:
     )
     print()
     print(table(comparison.rows))
+    if window is not None:
+        print(f"\nrequests arriving {args.window}, each day: SLO met (P99 TTFT s)")
+        for name, row in comparison.rows.items():
+            days = "  ".join(
+                f"day {w['day']}: {w['slo_attainment']:.3f} ({w['ttft_p99_s']})"
+                for w in row["window"]
+            )
+            print(f"  {name:<18} {days}")
     return 0
 
 
@@ -499,7 +517,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--trace",
         required=True,
         help="trace file (.csv or .csv.gz: arrival_s,input_tokens,output_tokens) or a shipped "
-        "trace: diurnal, spike, flat, long-prompt-burst",
+        "trace: diurnal, spike, flat, long-prompt-burst, daily-surge",
     )
     simulate.add_argument(
         "--profile",
@@ -553,6 +571,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="how requests reach replicas: service (a Kubernetes Service, random), "
         "least-loaded (an endpoint picker reading the engines' metrics; the default) or "
         "flow-control (held at the gateway until a replica has room)",
+    )
+    simulate.add_argument(
+        "--window",
+        metavar="HH:MM-HH:MM",
+        help="also score the requests arriving in this time of day, each day of the trace "
+        "(its time 0 is a midnight): SLO attainment and P99 TTFT per day",
     )
     simulate.add_argument(
         "--read-gateway-queue",

@@ -97,6 +97,13 @@ class AutoscalingSpec(Section):
     at the first reading, to the replicas the arriving tokens need. Unset: learned from the
     replicas' own metrics while they run near the target."""
 
+    standby_replicas: int = Field(default=0, ge=0, le=999)
+    """Replicas kept started on top of what the arriving tokens need, serving with the
+    others: the first minutes of a surge that outruns a replica's start land on them, and
+    they are refilled as the fleet grows. They cost their replica-hours all day and count
+    within maxReplicas. Needs replicaTokensPerSecond: a fleet kept above its need never runs
+    near its target, where what a replica serves is learned."""
+
     history: HistorySpec | None = None
     """Size ahead for the demand of earlier days at the same time (unset: react only)."""
 
@@ -111,6 +118,17 @@ class AutoscalingSpec(Section):
         if self.min_replicas > self.max_replicas:
             raise ValueError(
                 f"minReplicas ({self.min_replicas}) exceeds maxReplicas ({self.max_replicas})"
+            )
+        if self.standby_replicas >= self.max_replicas:
+            raise ValueError(
+                f"standbyReplicas ({self.standby_replicas}) must be below maxReplicas "
+                f"({self.max_replicas}): at least one replica is sized by the signals"
+            )
+        if self.standby_replicas and self.replica_tokens_per_second is None:
+            raise ValueError(
+                "standbyReplicas needs replicaTokensPerSecond (what one replica serves at "
+                "targetKvCacheUsage, from `brook-engine bench`): a fleet kept above its need "
+                "never runs near its target, where it would be learned"
             )
         fallback = self.fallback_replicas
         if fallback is not None and not self.min_replicas <= fallback <= self.max_replicas:

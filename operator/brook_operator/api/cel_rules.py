@@ -196,6 +196,18 @@ CEL_RULES: dict[type[BaseModel], list[Rule]] = {
             ".minReplicas",
         ),
         Rule(
+            "!has(self.standbyReplicas) || self.standbyReplicas < self.maxReplicas",
+            "must be below maxReplicas: at least one replica is sized by the signals",
+            ".standbyReplicas",
+        ),
+        Rule(
+            "!has(self.standbyReplicas) || self.standbyReplicas == 0 || "
+            "has(self.replicaTokensPerSecond)",
+            "needs replicaTokensPerSecond: a fleet kept above its need never runs near its "
+            "target, where what a replica serves is learned",
+            ".standbyReplicas",
+        ),
+        Rule(
             "!has(self.fallbackReplicas) || (self.fallbackReplicas >= self.minReplicas && "
             "self.fallbackReplicas <= self.maxReplicas)",
             "must lie between minReplicas and maxReplicas",

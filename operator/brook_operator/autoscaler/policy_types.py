@@ -76,6 +76,9 @@ class Policy:
     """Tokens per second one replica serves at the target usage; None: learned
     (``capacity.CapacityEstimate``)."""
 
+    standby_replicas: int = 0
+    """Replicas kept on top of what the arriving tokens need (``standbyReplicas``)."""
+
     def __post_init__(self) -> None:
         unknown = self.signals - SIGNALS
         if unknown or not self.signals & {"kv", "queue"}:

@@ -319,6 +319,24 @@ def forecast_vote(forecast: float | None, capacity: float | None) -> Vote | None
     return Vote(replicas, f"earlier days: {forecast:.0f} tok/s ahead: {replicas}")
 
 
+def standby_vote(
+    fresh: Sequence[ReplicaSignals], load: Load, policy: Policy, capacity: float | None
+) -> Vote | None:
+    """``standbyReplicas`` on top of what the arriving tokens need: ``ceil(Σ d_i / c) + S``.
+    The arrivals, not saturation, size the need: they are linear in the load, so a fleet
+    kept above its need reads the same need (saturation falls faster than the load per
+    replica and would read less). None without standby or a capacity."""
+    spare = policy.standby_replicas
+    if not spare or capacity is None or capacity <= 0:
+        return None
+    known = _rates(fresh)
+    demand = sum(known) + (len(fresh) - len(known) + load.missing) * capacity
+    # The need as the scale-in floor reads it (to the top of the band), so one interval's
+    # noise in the arrivals does not move the standby.
+    need = max(1, _ceil(demand / (capacity * (1 + policy.tolerance))))
+    return Vote(need + spare, f"{need} for the arrivals + {spare} standby")
+
+
 # 7. Recommendation: every signal's vote (``decide`` takes the largest)
 
 
@@ -346,4 +364,7 @@ def signal_votes(
     ahead = forecast_vote(forecast, capacity)
     if ahead is not None:
         votes["history"] = ahead
+    spare = standby_vote(fresh, load, policy, capacity)
+    if spare is not None:
+        votes["standby"] = spare
     return votes

@@ -222,3 +222,32 @@ def test_a_forecast_surge_scales_out_before_it_and_holds_a_scale_in() -> None:
     # Without a capacity there is nothing to size the forecast against.
     blind = decide(quiet, 2, BASE, past((15, 2)), NOW, capacity=None, forecast=900.0)
     assert "history" not in blind.signal_recommendations and blind.desired == 2
+
+
+# -- standby -------------------------------------------------------------------------------
+
+
+def test_standby_replicas_ride_on_top_of_what_the_arrivals_need() -> None:
+    policy = replace(BASE, standby_replicas=2, replica_tokens_per_second=150.0)
+    # 4 replicas take 450 tok/s: the arrivals need ceil(450 / (150 × 1.1)) = 3, so 5.
+    quiet = _with_demand(fleet(4, kv=0.2), 112.5)
+    decision = decide(quiet, 4, policy, past((15, 4)), NOW)
+    assert (decision.signal_recommendations["standby"], decision.desired) == (5, 5)
+    assert "3 for the arrivals + 2 standby" in decision.reason
+    # A surge takes the standby and refills it: the arrivals' 8 and 2 more (step-limited).
+    surge = _with_demand(fleet(4, kv=0.75), 300.0)
+    climbing = decide(surge, 4, policy, past((15, 4)), NOW)
+    assert climbing.signal_recommendations["standby"] == 10 and climbing.desired == 8
+    # Without standby, or without a capacity, there is no such vote.
+    assert "standby" not in decide(quiet, 4, BASE, past((15, 4)), NOW, 150.0).signal_recommendations
+    unsized = replace(BASE, standby_replicas=2)
+    assert "standby" not in decide(quiet, 4, unsized, past((15, 4)), NOW).signal_recommendations
+
+
+def test_standby_needs_a_capacity_and_room_below_the_maximum() -> None:
+    with pytest.raises(ValueError, match="standbyReplicas needs replicaTokensPerSecond"):
+        AutoscalingSpec(max_replicas=8, standby_replicas=2)
+    with pytest.raises(ValueError, match=r"standbyReplicas \(8\) must be below maxReplicas"):
+        AutoscalingSpec(max_replicas=8, standby_replicas=8, replica_tokens_per_second=100)
+    spec = AutoscalingSpec(max_replicas=8, standby_replicas=2, replica_tokens_per_second=100)
+    assert Policy.from_spec(spec).standby_replicas == 2

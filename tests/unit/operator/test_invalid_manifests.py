@@ -110,6 +110,23 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
         },
         "spec.autoscaling.history.periods",
     ),
+    (
+        "standby-without-a-capacity",
+        {"spec.replicas": DELETE, "spec.autoscaling": {"maxReplicas": 4, "standbyReplicas": 1}},
+        "spec.autoscaling.standbyReplicas",
+    ),
+    (
+        "standby-at-the-maximum",
+        {
+            "spec.replicas": DELETE,
+            "spec.autoscaling": {
+                "maxReplicas": 4,
+                "standbyReplicas": 4,
+                "replicaTokensPerSecond": 500,
+            },
+        },
+        "spec.autoscaling.standbyReplicas",
+    ),
     ("replicas-and-autoscaling", {"spec.autoscaling": {"maxReplicas": 4}}, "spec.replicas"),
     (
         "autoscaling-without-max",

@@ -72,10 +72,12 @@ def compare(
     oracle_headroom: float = 1.0,
     router: str = DEFAULT_ROUTER,
     reads_gateway_queue: bool = False,
+    window: tuple[float, float] | None = None,
 ) -> Comparison:
     """Every policy in ``names`` on the same trace and profile, each fleet behind ``router``
     (``simulate.router``); with ``reads_gateway_queue`` (flow control only) the autoscaled
-    policies also count the requests held at the gateway."""
+    policies also count the requests held at the gateway; with ``window`` (seconds after
+    midnight, start and end) each row also scores the requests arriving in it, each day."""
     unknown = [n for n in names if n not in baselines.POLICIES]
     if unknown:
         raise SimulationError(
@@ -110,7 +112,7 @@ def compare(
         return run(requests, profile, initial, Autoscaled(None, spec.interval_seconds, bound), slo)
 
     peak_hours = peak.result.replica_seconds / 3600
-    window = spec.scale_down_stabilization_seconds
+    reversal_window = spec.scale_down_stabilization_seconds
     for name in names:
         if name == "static-peak":
             result = peak.result
@@ -135,7 +137,7 @@ def compare(
             )
             extra = {"initial_replicas": initial}
         out.results[name] = result
-        out.rows[name] = {**summary(result, slo, peak_hours, window), **extra}
+        out.rows[name] = {**summary(result, slo, peak_hours, reversal_window, window), **extra}
     # Every policy against the clairvoyant bound at headroom 1 (run for it when not asked
     # for, or asked for at another headroom).
     clairvoyant = out.results.get("oracle-clairvoyant")

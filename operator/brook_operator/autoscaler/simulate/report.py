@@ -32,16 +32,61 @@ def reversals(events: Sequence[tuple[float, int, int]], window_seconds: float) -
     return count
 
 
+DAY_SECONDS = 86_400.0
+
+
+def parse_window(text: str) -> tuple[float, float]:
+    """``HH:MM-HH:MM`` → seconds after midnight (the trace's time 0 is a midnight);
+    ``ValueError`` naming the form otherwise."""
+    try:
+        start, end = (
+            int(h) * 3600.0 + int(m) * 60.0
+            for h, m in (part.strip().split(":") for part in text.split("-"))
+        )
+    except ValueError:
+        raise ValueError(f"window {text!r}: use HH:MM-HH:MM, e.g. 08:50-09:30") from None
+    if not 0 <= start < end <= DAY_SECONDS:
+        raise ValueError(f"window {text!r}: the start must come before the end, within a day")
+    return start, end
+
+
+def window_scores(
+    result: RunResult, slo_seconds: float, window: tuple[float, float]
+) -> list[dict[str, Any]]:
+    """SLO attainment and P99 TTFT of the requests arriving in ``window`` (time of day),
+    one entry per day of the trace that has such requests."""
+    days = int(max(result.arrivals) // DAY_SECONDS) + 1
+    out = []
+    for day in range(days):
+        start, end = day * DAY_SECONDS + window[0], day * DAY_SECONDS + window[1]
+        ttft = [t for a, t in zip(result.arrivals, result.ttft, strict=True) if start <= a < end]
+        if not ttft:
+            continue
+        served = [t for t in ttft if not math.isnan(t)]
+        out.append(
+            {
+                "day": day + 1,
+                "requests": len(ttft),
+                "slo_attainment": round(sum(1 for t in served if t <= slo_seconds) / len(ttft), 4),
+                "ttft_p99_s": _rounded(percentile(served, 99)),
+            }
+        )
+    return out
+
+
 def summary(
     result: RunResult,
     slo_seconds: float,
     static_peak_hours: float | None,
     reversal_window_seconds: float,
+    window: tuple[float, float] | None = None,
 ) -> dict[str, Any]:
     served = [t for t in result.ttft if not math.isnan(t)]
     requests = len(result.ttft)
     hours = result.replica_seconds / 3600
+    windowed = {"window": window_scores(result, slo_seconds, window)} if window else {}
     return {
+        **windowed,
         "slo_attainment": round(sum(1 for t in served if t <= slo_seconds) / requests, 4),
         "ttft_p50_s": _rounded(percentile(served, 50)),
         "ttft_p99_s": _rounded(percentile(served, 99)),
