@@ -143,6 +143,14 @@ CEL_RULES: dict[type[BaseModel], list[Rule]] = {
             )
         ),
         Rule(
+            "!(has(self.autoscaling) && has(self.server) && has(self.server.apiKeySecretRef) && "
+            "has(self.server.metricsRequireApiKey) && self.server.metricsRequireApiKey)",
+            "the autoscaler reads the engines' /metrics without the key, so it would see no "
+            "metrics; with autoscaling leave metricsRequireApiKey off and limit who reaches "
+            "/metrics with server.allowedClients",
+            ".server.metricsRequireApiKey",
+        ),
+        Rule(
             "!(has(self.replicas) && has(self.autoscaling))",
             "set replicas or autoscaling, not both: with autoscaling the replica count "
             "belongs to the autoscaler (kubectl scale is refused; change "

@@ -252,6 +252,15 @@ def spec_problems(spec: LLMInferenceSpec) -> list[str]:
             "shapes.oneRowWeights: one-row copies are read by Brook's CPU kernels; with an "
             "npu or cuda accelerator use model"
         )
+    server = spec.server
+    keyed_metrics = server.metrics_require_api_key and server.api_key_secret_ref is not None
+    if spec.autoscaling is not None and keyed_metrics:
+        problems.append(
+            "server.metricsRequireApiKey: the autoscaler reads the engines' /metrics without "
+            "the key, so it would see no metrics and hold the size; with autoscaling leave "
+            "metricsRequireApiKey off and limit who reaches /metrics with "
+            "server.allowedClients"
+        )
     rollout = spec.rollout
     if str(rollout.max_surge) in ("0", "0%") and str(rollout.max_unavailable) in ("0", "0%"):
         problems.append("rollout: maxSurge and maxUnavailable cannot both be 0")

@@ -127,6 +127,16 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
         },
         "spec.autoscaling.standbyReplicas",
     ),
+    (
+        "autoscaling-with-a-metrics-key",
+        {
+            "spec.replicas": DELETE,
+            "spec.autoscaling": {"maxReplicas": 4},
+            "spec.server.metricsRequireApiKey": True,
+            "spec.server.apiKeySecretRef": {"name": "api-key", "key": "token"},
+        },
+        "spec.server.metricsRequireApiKey",
+    ),
     ("replicas-and-autoscaling", {"spec.autoscaling": {"maxReplicas": 4}}, "spec.replicas"),
     (
         "autoscaling-without-max",
