@@ -29,6 +29,7 @@ from typing import Any
 
 from brook_engine.core.llm_engine import LLMEngine
 from brook_engine.core.output_stream import STALL_SECONDS, OutputStream, Sink
+from brook_engine.core.scheduler import QueueFullError
 from brook_engine.metrics.prometheus import EngineMetrics
 from brook_engine.outputs import RequestOutput
 from brook_engine.parallel.comm import ParallelGroupError
@@ -252,9 +253,15 @@ class AsyncEngine:
                 added.append(r.request_id)
                 self._sinks[r.request_id] = sink
         except Exception as exc:
+            # The call is refused whole: its earlier choices were never served (no step ran
+            # between), so they are taken back rather than counted as received and aborted.
+            refused = isinstance(exc, QueueFullError)
             for request_id in added:
                 self._sinks.pop(request_id, None)
-                self.engine.abort_request(request_id)
+                self.engine.retract_request(request_id, refused)
+            if refused:  # the choices after the refused one are demand turned away too
+                untried = requests[len(added) + 1 :]
+                self.engine.note_refused(sum(len(r.prompt_token_ids) for r in untried))
             self._call_soon(_settle, accepted, exc)
             return
         self._call_soon(_settle, accepted, None)

@@ -267,6 +267,26 @@ class LLMEngine:
         self._record_finished(request.seq)
         return True
 
+    def retract_request(self, request_id: str, refused: bool) -> bool:
+        """Take back a request just added, before any step ran it: the other choices of a
+        call the engine refused. It was never served, so it counts neither as a prompt
+        received nor as a request that ended; with ``refused`` (the queue was full) its
+        prompt counts as refused demand, as the choice that was refused does."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.finish(request.seq, FinishReason.ABORT)
+        self.runner.release(request_id)
+        tokens = request.seq.num_prompt_tokens
+        self.num_prompt_tokens_total -= tokens
+        if refused:
+            self.num_refused_prompt_tokens_total += tokens
+        return True
+
+    def note_refused(self, num_prompt_tokens: int) -> None:
+        """Count prompt tokens of a refused call's choices that were never tried."""
+        self.num_refused_prompt_tokens_total += num_prompt_tokens
+
     def abort_all(self) -> list[str]:
         """Cancel every request; returns their ids."""
         ids = list(self._requests)

@@ -141,6 +141,31 @@ def test_a_refused_request_is_told_when_the_queue_moves(
     assert refused.value.retry_after_seconds == retry_after
 
 
+def test_a_refused_call_is_counted_as_refused_demand_whole(make_tiny_model: Any) -> None:
+    """Three choices, room for two in the queue: the call is refused whole. None of its
+    choices was received or ended; all three prompts are refused demand."""
+    path = Path(make_tiny_model("llama"))
+    llm = LLM(
+        str(path), dtype="float32", device="cpu", num_blocks=64, progress=False,
+        scheduler={"max_num_seqs": 1, "max_waiting_requests": 2},
+    )  # fmt: skip
+
+    async def run() -> None:
+        engine = AsyncEngine(llm.engine)
+        engine.start()
+        choices = [SubRequest(f"c{i}", [5, 6, 7], GREEDY) for i in range(3)]
+        with pytest.raises(QueueFullError):
+            await engine.add(choices)
+        await engine.stop()
+
+    asyncio.run(run())
+    stats = llm.engine.stats()
+    assert (stats.num_prompt_tokens_total, stats.num_refused_prompt_tokens_total) == (0, 9)
+    assert not llm.engine.has_unfinished_requests()
+    assert not llm.engine._recent_finishes  # nothing ended: Retry-After is not shortened
+    assert not llm.engine.take_finished_stats()  # no request counted as aborted
+
+
 def test_a_failed_step_ends_its_requests_and_the_engine_goes_on(
     llm: LLM, monkeypatch: pytest.MonkeyPatch
 ) -> None:
