@@ -259,24 +259,28 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         """Cancel a request and free every block it holds; False if it is not running."""
-        request = self._requests.pop(request_id, None)
+        request = self._drop(request_id)
         if request is None:
             return False
-        self.scheduler.finish(request.seq, FinishReason.ABORT)
-        self.runner.release(request_id)
         self._record_finished(request.seq)
         return True
+
+    def _drop(self, request_id: str) -> Request | None:
+        """Take a request out of the scheduler and free its blocks (None: not running)."""
+        request = self._requests.pop(request_id, None)
+        if request is not None:
+            self.scheduler.finish(request.seq, FinishReason.ABORT)
+            self.runner.release(request_id)
+        return request
 
     def retract_request(self, request_id: str, refused: bool) -> bool:
         """Take back a request just added, before any step ran it: the other choices of a
         call the engine refused. It was never served, so it counts neither as a prompt
         received nor as a request that ended; with ``refused`` (the queue was full) its
         prompt counts as refused demand, as the choice that was refused does."""
-        request = self._requests.pop(request_id, None)
+        request = self._drop(request_id)
         if request is None:
             return False
-        self.scheduler.finish(request.seq, FinishReason.ABORT)
-        self.runner.release(request_id)
         tokens = request.seq.num_prompt_tokens
         self.num_prompt_tokens_total -= tokens
         if refused:

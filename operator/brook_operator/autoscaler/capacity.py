@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from brook_operator.autoscaler.policy_types import Policy, ReplicaSignals
-from brook_operator.autoscaler.recommend import fresh_samples
+from brook_operator.autoscaler.recommend import complete_readings
 
 #: Readings the median is taken over (five minutes at the default 15 s interval).
 WINDOW = 20
@@ -41,14 +41,13 @@ class CapacityEstimate:
         """Learn from one reading of the fleet (what ``decide`` was given); True when the
         reading counted. Every ready replica must have a fresh sample with a demand rate: a
         partial fleet's ratio is biased by whichever replicas answered."""
-        fresh = fresh_samples(signals, policy)
-        ready = sum(1 for r in signals if r.ready)
-        if not fresh or len(fresh) < ready:
+        fresh = complete_readings(signals, policy)
+        if fresh is None:
             return False
         demand = [r.demand_tokens_per_second for r in fresh]
         saturation = [r.saturation(policy.max_num_seqs) for r in fresh]
         waiting = [r.waiting_requests or 0.0 for r in fresh]
-        if any(d is None for d in demand) or any(s is None for s in saturation):
+        if any(s is None for s in saturation):
             return False
         total_s = sum(s or 0.0 for s in saturation)
         target, band = policy.target_kv_cache_usage, policy.tolerance

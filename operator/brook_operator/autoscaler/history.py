@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from brook_operator.autoscaler.policy_types import Policy, ReplicaSignals
-from brook_operator.autoscaler.recommend import fresh_samples
+from brook_operator.autoscaler.recommend import complete_readings
 
 SLOT_SECONDS = 300
 #: The ConfigMap key the history is kept under.
@@ -32,12 +32,10 @@ DATA_KEY = "demand.json"
 def observed_demand(signals: Sequence[ReplicaSignals], policy: Policy) -> float | None:
     """The fleet's demand at one reading, ``Σ d_i``, when every ready replica has a fresh
     sample with a rate (a partial sum would record a dip that never was); None otherwise."""
-    fresh = fresh_samples(signals, policy)
-    ready = sum(1 for r in signals if r.ready)
-    rates = [r.demand_tokens_per_second for r in fresh]
-    if not fresh or len(fresh) < ready or any(d is None for d in rates):
+    complete = complete_readings(signals, policy)
+    if complete is None:
         return None
-    return sum(d or 0.0 for d in rates)
+    return sum(r.demand_tokens_per_second or 0.0 for r in complete)
 
 
 class HistoryError(ValueError):

@@ -21,9 +21,6 @@ class DemandCounters:
     refused_prompt_tokens: float = 0.0
     """Prompt tokens of requests it refused for a full queue (demand it did not serve)."""
 
-    def total(self) -> float:
-        return self.prompt_tokens + self.generation_tokens + self.refused_prompt_tokens
-
 
 def demand_rate(
     before: tuple[DemandCounters, float] | None, after: tuple[DemandCounters, float]

@@ -158,6 +158,25 @@ def _rates(fresh: Sequence[ReplicaSignals]) -> list[float]:
     return [r.demand_tokens_per_second for r in fresh if r.demand_tokens_per_second is not None]
 
 
+def _fleet_demand(fresh: Sequence[ReplicaSignals], load: Load, capacity: float) -> float:
+    """``Σ d_i``, a replica without a rate (or a ready one without a fresh sample) counted
+    as serving exactly ``capacity``: it pushes neither way."""
+    known = _rates(fresh)
+    return sum(known) + (len(fresh) - len(known) + load.missing) * capacity
+
+
+def complete_readings(
+    signals: Sequence[ReplicaSignals], policy: Policy
+) -> list[ReplicaSignals] | None:
+    """The fresh samples when every ready replica has one with a demand rate; None
+    otherwise (a partial fleet's sum or ratio is biased by whichever replicas answered)."""
+    fresh = fresh_samples(signals, policy)
+    ready = sum(1 for r in signals if r.ready)
+    if not fresh or len(fresh) < ready or any(r.demand_tokens_per_second is None for r in fresh):
+        return None
+    return fresh
+
+
 # 3. Saturation (and the queue's sums, for step 5)
 
 
@@ -291,9 +310,7 @@ def arrival_vote(
     serving exactly its capacity. None when the signal is off or the capacity unknown."""
     if "arrival" not in policy.signals or capacity is None or capacity <= 0:
         return None
-    known = _rates(fresh)
-    unknown = len(fresh) - len(known) + load.missing
-    demand = sum(known) + unknown * capacity
+    demand = _fleet_demand(fresh, load, capacity)
     usage = demand / (load.capacity * capacity)
     climbing = bool(history) and history[-1].replicas > current
     if usage > SURGE or (climbing and usage > 1 + policy.tolerance):
@@ -329,8 +346,7 @@ def standby_vote(
     spare = policy.standby_replicas
     if not spare or capacity is None or capacity <= 0:
         return None
-    known = _rates(fresh)
-    demand = sum(known) + (len(fresh) - len(known) + load.missing) * capacity
+    demand = _fleet_demand(fresh, load, capacity)
     # The need as the scale-in floor reads it (to the top of the band), so one interval's
     # noise in the arrivals does not move the standby.
     need = max(1, _ceil(demand / (capacity * (1 + policy.tolerance))))

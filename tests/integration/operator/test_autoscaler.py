@@ -225,19 +225,28 @@ def _events(api: KubeApi, reason: str) -> list[dict[str, Any]]:
     return [e for e in api.list("events", NAMESPACE) if e.get("reason") == reason]
 
 
+def _one_replica_reporting(
+    api: KubeApi, fleet: Fleet, address: str, manifest: dict[str, Any]
+) -> ServerProcess:
+    """``manifest`` created, its Deployment at one replica whose pod is an engine server at
+    ``address``, and the autoscaler reading its metrics: the server."""
+    server = fleet.start_server(address)
+    api.create(manifest)
+    _wait(lambda: _replicas(api) == 1, "the Deployment at minReplicas")
+    fleet.add_pod(address)
+    _wait(
+        lambda: _condition(_llmi(api), "MetricsAvailable").get("status") == "True",
+        f"metrics read from the pod at {address}",
+    )
+    return server
+
+
 def test_load_scales_out_stale_metrics_hold_idleness_scales_in(
     kube_api: KubeApi, fleet: Fleet, operator: OperatorProcess
 ) -> None:
     api = kube_api
     first, second = ADDRESSES
-    server = fleet.start_server(first)
-    api.create(_manifest())
-    _wait(lambda: _replicas(api) == 1, "the Deployment at minReplicas")
-    fleet.add_pod(first)
-    _wait(
-        lambda: _condition(_llmi(api), "MetricsAvailable").get("status") == "True",
-        "metrics read from the first pod",
-    )
+    server = _one_replica_reporting(api, fleet, first, _manifest())
 
     # Load: 6 clients × (100 prompt + 200 output tokens) on 32 × 16 KV slots → KV full and a
     # queue. The autoscaler scales out (to maxReplicas, 2).
@@ -311,7 +320,6 @@ def test_a_surge_of_arrivals_scales_out_from_the_engines_counters(
     arrivals can take the fleet past one replica."""
     api = kube_api
     address = ADDRESSES[0]
-    server = fleet.start_server(address)
     surge_policy = {
         **AUTOSCALING,
         "maxReplicas": 3,
@@ -319,13 +327,7 @@ def test_a_surge_of_arrivals_scales_out_from_the_engines_counters(
         "targetWaitingRequests": 100,
         "replicaTokensPerSecond": 20,
     }
-    api.create(_manifest(surge_policy))
-    _wait(lambda: _replicas(api) == 1, "the Deployment at minReplicas")
-    fleet.add_pod(address)
-    _wait(
-        lambda: _condition(_llmi(api), "MetricsAvailable").get("status") == "True",
-        "metrics read from the pod",
-    )
+    server = _one_replica_reporting(api, fleet, address, _manifest(surge_policy))
     assert _replicas(api) == 1  # idle: nothing arrives
     load = Load(server, concurrency=2, prompt=20, tokens=40)
     try:

@@ -94,12 +94,17 @@ def test_refused_calls_raise_before_any_output(llm: LLM) -> None:
     asyncio.run(run())
 
 
-def test_a_full_queue_is_refused(make_tiny_model: Any) -> None:
+def _one_seq_llm(make_tiny_model: Any, max_waiting: int) -> LLM:
+    """A tiny model's engine with one batch slot and ``max_waiting`` queue places."""
     path = Path(make_tiny_model("llama"))
-    llm = LLM(
+    return LLM(
         str(path), dtype="float32", device="cpu", num_blocks=64, progress=False,
-        scheduler={"max_num_seqs": 1, "max_waiting_requests": 0},
+        scheduler={"max_num_seqs": 1, "max_waiting_requests": max_waiting},
     )  # fmt: skip
+
+
+def test_a_full_queue_is_refused(make_tiny_model: Any) -> None:
+    llm = _one_seq_llm(make_tiny_model, max_waiting=0)
 
     async def run() -> None:
         engine = AsyncEngine(llm.engine)
@@ -127,11 +132,7 @@ def test_a_full_queue_is_refused(make_tiny_model: Any) -> None:
 def test_a_refused_request_is_told_when_the_queue_moves(
     make_tiny_model: Any, ended_ago: tuple[float, ...], retry_after: int
 ) -> None:
-    path = Path(make_tiny_model("llama"))
-    llm = LLM(
-        str(path), dtype="float32", device="cpu", num_blocks=64, progress=False,
-        scheduler={"max_num_seqs": 1, "max_waiting_requests": 1},
-    )  # fmt: skip
+    llm = _one_seq_llm(make_tiny_model, max_waiting=1)
     engine = llm.engine
     engine.add_request("waits", [5], GREEDY)
     now = time.monotonic()
@@ -144,11 +145,7 @@ def test_a_refused_request_is_told_when_the_queue_moves(
 def test_a_refused_call_is_counted_as_refused_demand_whole(make_tiny_model: Any) -> None:
     """Three choices, room for two in the queue: the call is refused whole. None of its
     choices was received or ended; all three prompts are refused demand."""
-    path = Path(make_tiny_model("llama"))
-    llm = LLM(
-        str(path), dtype="float32", device="cpu", num_blocks=64, progress=False,
-        scheduler={"max_num_seqs": 1, "max_waiting_requests": 2},
-    )  # fmt: skip
+    llm = _one_seq_llm(make_tiny_model, max_waiting=2)
 
     async def run() -> None:
         engine = AsyncEngine(llm.engine)

@@ -85,6 +85,7 @@ def summary(
     requests = len(result.ttft)
     hours = result.replica_seconds / 3600
     windowed = {"window": window_scores(result, slo_seconds, window)} if window else {}
+    changed_mind = reversals(result.scale_events, reversal_window_seconds)
     return {
         **windowed,
         "slo_attainment": round(sum(1 for t in served if t <= slo_seconds) / requests, 4),
@@ -97,11 +98,8 @@ def summary(
         "mean_replicas": round(result.replica_seconds / result.duration_s, 2),
         "max_replicas": max(n for _, n in result.timeline),
         "scale_events": len(result.scale_events),
-        "reversals": reversals(result.scale_events, reversal_window_seconds),
-        "reversals_per_hour": round(
-            reversals(result.scale_events, reversal_window_seconds) / (result.duration_s / 3600),
-            2,
-        ),
+        "reversals": changed_mind,
+        "reversals_per_hour": round(changed_mind / (result.duration_s / 3600), 2),
         "requests": requests,
         "completed": result.completed,
         "preemptions": result.preemptions,

@@ -225,7 +225,10 @@ def simulate(
         timeline=[(0.0, replicas)],
     )
     gateway: deque[Job] = deque()
-    readings = _Readings()
+    ahead = autoscaled.history if autoscaled else None
+    readings = _Readings(
+        demand=DemandHistory(ahead.period_seconds, ahead.periods) if ahead else None
+    )
     last_arrival = requests[-1].arrival_s
     next_job, tick = 0, 0
     next_decision = autoscaled.interval_seconds if autoscaled else float("inf")
@@ -271,8 +274,8 @@ def _scale(
     history: list[Recommendation],
     now: float,
     result: RunResult,
-    held: int = 0,
-    readings: _Readings | None = None,
+    held: int,
+    readings: _Readings,
 ) -> None:
     active = fleet.active()
     if autoscaled.oracle is not None:
@@ -283,11 +286,8 @@ def _scale(
     else:
         policy = autoscaled.policy
         assert policy is not None  # Autoscaled holds one of the two
-        readings = readings or _Readings()
         signals = signals_of(active, now, held, readings.rates(active, now))
         ahead = autoscaled.history
-        if ahead is not None and readings.demand is None:
-            readings.demand = DemandHistory(ahead.period_seconds, ahead.periods)
         forecast = (
             readings.demand.forecast(now, ahead.lead_seconds)
             if ahead is not None and readings.demand is not None
