@@ -270,16 +270,32 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 
 def _cmd_fetch(args: argparse.Namespace) -> int:
     from brook_engine.config import split_model_uri
-    from brook_engine.fetch import FetchError, fetch_hub
+    from brook_engine.fetch import (
+        FetchError,
+        Progress,
+        ProgressServer,
+        fetch_hub,
+        file_patterns,
+        hub_lister,
+    )
 
     scheme, repo = split_model_uri(args.uri)
-    if scheme != "hf" or not repo.strip("/"):
+    repo = repo.strip("/")
+    if scheme != "hf" or not repo:
         print(f"error: {args.uri!r}: give a Hub model as hf://ORG/NAME", file=sys.stderr)
         return 2
+    if args.progress_port is not None and not 1 <= args.progress_port <= 65535:
+        print(f"error: --progress-port {args.progress_port}: give 1-65535", file=sys.stderr)
+        return 2
+    output, exclude = Path(args.output), args.exclude or ()
+    lister = hub_lister(repo, args.revision, file_patterns(args.include), exclude)
+    progress = Progress(f"hf://{repo}", output, lister)
     try:
-        result = fetch_hub(
-            repo.strip("/"), Path(args.output), args.revision, args.include, args.exclude or ()
-        )
+        if args.progress_port is None:
+            result = fetch_hub(repo, output, args.revision, args.include, exclude, progress)
+        else:
+            with ProgressServer(progress, args.progress_port):
+                result = fetch_hub(repo, output, args.revision, args.include, exclude, progress)
     except FetchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -393,6 +409,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     fetch.add_argument(
         "--exclude", action="append", help="a file pattern not to download (repeatable)"
+    )
+    fetch.add_argument(
+        "--progress-port",
+        type=int,
+        default=None,
+        help="serve the download's progress as JSON at GET /download on this port while it "
+        "runs (what the operator reads into status; a pod's API port, free until the engine "
+        "starts)",
     )
     fetch.set_defaults(func=_cmd_fetch)
 

@@ -2,30 +2,29 @@
 the official Hub client against a stand-in of the Hub on loopback (``tests/support/hub.py``):
 only the files the engine reads are downloaded; two replicas fetching into one shared folder
 (``model.cache``) download it once, the second waiting on the first; a restart finds it
-complete; a missing repository fails with a message naming it."""
+complete; a missing repository fails with a message naming it. With ``--progress-port`` a fetch
+serves its progress (what the operator reads into status), a waiting replica the other's."""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from tests.support import hub
+from tests.support.ports import free_port
 
 REPO = "brook-test/tiny-llama"
 
 
 def _fetch(url: str, output: Path, *extra: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "HF_ENDPOINT": url, "HF_HUB_DISABLE_XET": "1"}
-    command = [sys.executable, "-m", "brook_engine.cli", "fetch", f"hf://{REPO}"]
-    command += ["--output", str(output), "--revision", "main", *extra]
-    return subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    return hub.fetch(url, REPO, output, *extra)
 
 
 def test_two_replicas_share_one_download(
@@ -79,3 +78,84 @@ def test_a_missing_repository_fails_naming_it(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert f"error: hf://{REPO}:" in err.strip().splitlines()[-1]  # the termination message
     assert not (tmp_path / "out" / ".brook-fetched.json").exists()
+
+
+def _progress(port: int) -> dict[str, Any] | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/download", timeout=2) as answer:
+            document: dict[str, Any] = json.loads(answer.read())
+            return document
+    except (urllib.error.URLError, OSError):
+        return None  # not listening yet, or done
+
+
+def _watch(
+    port: int, proc: subprocess.Popen[str], done: Callable[[dict[str, Any]], bool]
+) -> dict[str, Any]:
+    seen: list[dict[str, Any]] = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        answer = _progress(port)
+        if answer is not None:
+            seen.append(answer)
+            if done(answer):
+                return answer
+        time.sleep(0.1)
+    raise AssertionError(f"never seen; last answers {seen[-3:]}; {proc.communicate()}")
+
+
+def test_a_download_serves_its_progress_and_a_waiting_replica_the_others(
+    make_tiny_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    served = tmp_path / "served"
+    shutil.copytree(make_tiny_model("llama"), served)
+    (served / "model-q4.gguf").write_bytes(b"GGUF" + b"\0" * 64)  # not taken: not counted
+    taken = [p for p in served.iterdir() if p.suffix != ".gguf"]
+    total = sum(p.stat().st_size for p in taken)
+    shared = tmp_path / "claim" / "brook-test--tiny-llama@main"
+    rate = max(total / 5, 1024)  # about five seconds of download
+    with hub.serving(served, REPO, rate=rate) as stand_in:
+        port_a, port_b = free_port(), free_port()
+        first = _fetch(stand_in.url, shared, f"--progress-port={port_a}")
+        midway = _watch(
+            port_a,
+            first,
+            lambda a: a["state"] == "downloading" and 0 < a["bytesDone"] < a["bytesTotal"],
+        )
+        assert midway["model"] == f"hf://{REPO}"
+        assert midway["bytesTotal"] == total and midway["filesTotal"] == len(taken)
+        # a second replica into the shared folder waits, and reports the first one's bytes
+        second = _fetch(stand_in.url, shared, f"--progress-port={port_b}")
+        waiting = _watch(
+            port_b,
+            second,
+            lambda a: a["state"] == "waiting" and a["bytesDone"] > midway["bytesDone"],
+        )
+        assert waiting["bytesTotal"] == total
+        later = _watch(port_a, first, lambda a: a["bytesDone"] > midway["bytesDone"])
+        assert later["bytesPerSecond"] is not None and later["bytesPerSecond"] > 0
+        for proc in (first, second):
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err
+        assert _progress(port_a) is None  # served only while the download runs
+        # a restart with the folder complete: no listing asked of the Hub
+        asked = len(stand_in.paths)
+        again = _fetch(stand_in.url, shared, f"--progress-port={port_a}")
+        out, err = again.communicate(timeout=120)
+        assert again.returncode == 0 and "already complete" in out, err
+        assert len(stand_in.paths) == asked
+
+
+def test_a_taken_progress_port_does_not_stop_the_download(
+    make_tiny_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    import socket
+
+    with socket.socket() as busy, hub.serving(make_tiny_model("llama"), REPO) as stand_in:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = _fetch(stand_in.url, tmp_path / "out", f"--progress-port={port}")
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "downloaded" in out, err
+    assert f"progress not served on port {port}" in err

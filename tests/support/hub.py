@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -25,7 +29,7 @@ class Hub:
     """Every request as ``METHOD /path``, in order."""
 
 
-def _handler(hub: Hub, folder: Path) -> type[BaseHTTPRequestHandler]:
+def _handler(hub: Hub, folder: Path, rate: float | None) -> type[BaseHTTPRequestHandler]:
     files = {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
 
     class Handler(BaseHTTPRequestHandler):
@@ -35,8 +39,16 @@ def _handler(hub: Hub, folder: Path) -> type[BaseHTTPRequestHandler]:
                 self.send_header(key, value)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            if self.command != "HEAD":
+            if self.command == "HEAD":
+                return
+            if rate is None or not headers.get("ETag"):
                 self.wfile.write(body)
+                return
+            step = max(1, int(rate / 20))  # a file at ``rate`` bytes/s, in 20 pieces a second
+            for start in range(0, len(body), step):
+                self.wfile.write(body[start : start + step])
+                self.wfile.flush()
+                time.sleep(0.05)
 
         def do_HEAD(self) -> None:
             self.do_GET()
@@ -73,10 +85,11 @@ def _handler(hub: Hub, folder: Path) -> type[BaseHTTPRequestHandler]:
 
 
 @contextmanager
-def serving(folder: Path, repo: str) -> Iterator[Hub]:
-    """``folder`` as the Hub repository ``repo`` until the block ends."""
+def serving(folder: Path, repo: str, rate: float | None = None) -> Iterator[Hub]:
+    """``folder`` as the Hub repository ``repo`` until the block ends; files sent at ``rate``
+    bytes per second when given (a download slow enough to watch)."""
     hub = Hub("", repo)
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(hub, folder))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(hub, folder, rate))
     hub.url = f"http://127.0.0.1:{server.server_address[1]}"
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -85,3 +98,14 @@ def serving(folder: Path, repo: str) -> Iterator[Hub]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def fetch(url: str, repo: str, output: Path, *extra: str) -> subprocess.Popen[str]:
+    """``brook-engine fetch hf://repo --output output`` against the stand-in at ``url``, as
+    an init container runs it (its own process)."""
+    env = {**os.environ, "HF_ENDPOINT": url, "HF_HUB_DISABLE_XET": "1"}
+    command = [sys.executable, "-m", "brook_engine.cli", "fetch", f"hf://{repo}"]
+    command += ["--output", str(output), "--revision", "main", *extra]
+    return subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )

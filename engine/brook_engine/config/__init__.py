@@ -20,7 +20,13 @@ from brook_engine.config.kv_cache import (
     PrefixSharingConfig,
     seed_layer_policies,
 )
-from brook_engine.config.model import MODEL_FILES, MODEL_URI_SCHEMES, ModelConfig, split_model_uri
+from brook_engine.config.model import (
+    DOWNLOAD_PROGRESS_PATH,
+    MODEL_FILES,
+    MODEL_URI_SCHEMES,
+    ModelConfig,
+    split_model_uri,
+)
 from brook_engine.config.offload import OffloadConfig
 from brook_engine.config.parallel import ParallelConfig
 from brook_engine.config.runtime import (
@@ -36,6 +42,7 @@ from brook_engine.config.server import ApiKeyConfig, ServerConfig, ServerOptions
 __all__ = [
     "CPU_KV_CACHE_CAP",
     "DEFAULT_MEMORY_FRACTION",
+    "DOWNLOAD_PROGRESS_PATH",
     "MODEL_FILES",
     "MODEL_URI_SCHEMES",
     "ApiKeyConfig",

@@ -21,6 +21,9 @@ _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
 #: not the other formats' copies (GGUF, PyTorch .bin, ONNX) many repositories also carry.
 #: Downloads take only these unless told otherwise.
 MODEL_FILES = ("*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja")
+#: Where ``brook-engine fetch --progress-port`` serves a download's progress (JSON), which
+#: the operator reads into ``status.modelDownload``.
+DOWNLOAD_PROGRESS_PATH = "/download"
 
 
 def split_model_uri(uri: str) -> tuple[str, str]:

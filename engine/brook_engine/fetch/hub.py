@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from brook_engine.config import MODEL_FILES
+from brook_engine.fetch.progress import Progress
 
 #: Written last, naming what is there; its presence means the folder is complete.
 MARKER = ".brook-fetched.json"
@@ -36,13 +37,15 @@ class Fetched:
 
 
 @contextmanager
-def _locked(folder: Path) -> Iterator[None]:
+def _locked(folder: Path, progress: Progress | None) -> Iterator[None]:
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / _LOCK, "a+") as handle:
         started = time.monotonic()
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            if progress is not None:
+                progress.set_state("waiting")
             print(f"waiting for another download into {folder}", file=sys.stderr, flush=True)
             fcntl.flock(handle, fcntl.LOCK_EX)
             waited = time.monotonic() - started
@@ -62,27 +65,55 @@ def fetched(folder: Path) -> dict[str, object] | None:
     return data if isinstance(data, dict) else None
 
 
+def file_patterns(include: Sequence[str] | None) -> list[str]:
+    """The files a download takes: ``include``, or those the engine reads."""
+    return list(include) if include else list(MODEL_FILES)
+
+
 def fetch_hub(
     repo: str,
     folder: Path,
     revision: str | None = None,
     include: Sequence[str] | None = None,
     exclude: Sequence[str] = (),
+    progress: Progress | None = None,
 ) -> Fetched:
     """``repo`` at ``revision`` into ``folder`` (see the module docstring). The token comes
     from ``HF_TOKEN``, a mirror from ``HF_ENDPOINT``, as the Hub client reads them. A folder
-    complete for other patterns or another revision is completed for these."""
+    complete for other patterns or another revision is completed for these. ``progress``
+    is told the state as it changes (its bytes are counted on disk)."""
+    try:
+        fetched_now = _fetch_hub(repo, folder, revision, include, exclude, progress)
+    except BaseException:
+        if progress is not None:
+            progress.set_state("failed")
+        raise
+    if progress is not None:
+        progress.set_state("complete")
+    return fetched_now
+
+
+def _fetch_hub(
+    repo: str,
+    folder: Path,
+    revision: str | None,
+    include: Sequence[str] | None,
+    exclude: Sequence[str],
+    progress: Progress | None,
+) -> Fetched:
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     from huggingface_hub import snapshot_download
 
-    patterns = list(include) if include else list(MODEL_FILES)
+    patterns = file_patterns(include)
     wanted = {"repo": repo, "revision": revision, "include": patterns, "exclude": list(exclude)}
     try:
-        with _locked(folder):
+        with _locked(folder, progress):
             done = fetched(folder)
             if done is not None and all(done.get(k) == v for k, v in wanted.items()):
                 commit = done.get("commit")
                 return Fetched(folder, commit if isinstance(commit, str) else None, False)
+            if progress is not None:
+                progress.set_state("downloading")
             print(f"downloading hf://{repo} into {folder}", file=sys.stderr, flush=True)
             try:
                 snapshot_download(

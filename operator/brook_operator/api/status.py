@@ -119,6 +119,32 @@ class AutoscalingStatus(Section):
     """The last 10 decisions, newest last."""
 
 
+class ModelDownloadStatus(Section):
+    """The model download engine pods wait for (present only while one runs): read from
+    what ``brook-engine fetch`` serves on each pod's API port."""
+
+    pods: int = Field(ge=0)
+    """Pods whose fetch-model init container runs."""
+
+    pods_reporting: int = Field(ge=0)
+    """Of them, those whose progress was read (an s3:// or oci:// fetcher serves none)."""
+
+    bytes_done: int | None = Field(default=None, ge=0)
+    """Bytes on disk of the pod furthest behind."""
+
+    bytes_total: int | None = Field(default=None, ge=0)
+    """What its download takes in all (the repository's files the patterns select)."""
+
+    bytes_per_second: int | None = Field(default=None, ge=0)
+    """Its rate over the last 30 s."""
+
+    started_at: datetime | None = None
+    """When the first of the fetch containers started."""
+
+    message: str = Field(default="", max_length=1024)
+    """The same in a sentence, as Ready's message gives it."""
+
+
 class LLMInferenceStatus(Section):
     """Observed state of an LLMInference."""
 
@@ -145,6 +171,9 @@ class LLMInferenceStatus(Section):
 
     autoscaling: AutoscalingStatus | None = None
     """Autoscaler state."""
+
+    model_download: ModelDownloadStatus | None = None
+    """The model download engine pods wait for, while one runs."""
 
     conditions: list[Condition] = Field(default_factory=list, max_length=16)
     """Ready (its reason and message name the pods' own when replicas are not ready),

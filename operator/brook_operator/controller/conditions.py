@@ -3,7 +3,8 @@ conditions (SpecValid, Degraded, Ready, Progressing, and kstatus's Reconciling a
 which Argo CD, Flux and ``kubectl wait`` read) and the replica counts, and the helpers that
 keep a condition's ``lastTransitionTime`` across rounds. A replica that is not ready says why
 in ``Ready``: its pods' reasons (a crash loop with the engine's last error line, an image
-that cannot be pulled, a pod no node can take).
+that cannot be pulled, a pod no node can take), or the model download it waits for, whose
+progress is ``modelDownload``.
 
 These are the fields of one writer (field manager ``STATUS_MANAGER``), written by
 server-side apply: a status computed here holds ALL of them and NOTHING else — the
@@ -20,6 +21,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from brook_operator.api import LLMInference, topology
+from brook_operator.controller.downloads import PodDownload, download_status
 from brook_operator.controller.pod_reasons import PodProblem, workload_problems
 from brook_operator.render import ROLE_LABEL, endpoint, selector_labels
 from brook_operator.render.workload import LWS_GROUP
@@ -58,6 +60,9 @@ class Observed:
 
     missing_apis: tuple[str, ...] = ()
     """The CRDs ``spec.router`` needs and the cluster lacks (its children are not applied)."""
+
+    downloads: tuple[PodDownload, ...] = ()
+    """Engine pods fetching their model, with the progress they served."""
 
 
 def make_condition(
@@ -101,8 +106,17 @@ def now_rfc3339() -> str:
 OWN_CONDITIONS = ("SpecValid", "Degraded", "Ready", "Progressing", "Reconciling", "Stalled")
 #: Pod problems named in the Ready condition's message (the rest are counted).
 PROBLEMS_NAMED = 3
-#: The other status fields it owns (desiredReplicas only without spec.autoscaling).
-OWN_FIELDS = ("replicas", "readyReplicas", "desiredReplicas", "selector", "topology", "endpoint")
+#: The other status fields it owns (desiredReplicas only without spec.autoscaling;
+#: modelDownload only while a pod fetches its model).
+OWN_FIELDS = (
+    "replicas",
+    "readyReplicas",
+    "desiredReplicas",
+    "selector",
+    "topology",
+    "endpoint",
+    "modelDownload",
+)
 
 
 def invalid_status(body: dict[str, Any], message: str, now: str | None = None) -> dict[str, Any]:
@@ -142,6 +156,7 @@ def compute_status(
     now = now or now_rfc3339()
     generation = llmi.metadata.generation
     previous = conditions_by_type(previous_status)
+    downloading = download_status(observed.downloads, _moment(now))
     workload = observed.workload or {}
     wstatus = workload.get("status") or {}
     desired = observed.desired_replicas
@@ -192,7 +207,7 @@ def compute_status(
             condition("Ready", True, "ReplicasReady", f"{ready}/{desired} replicas ready")
         )
     else:
-        reason, message = _not_ready(problems, ready, desired)
+        reason, message = _not_ready(problems, downloading, ready, desired)
         conditions.append(condition("Ready", False, reason, message))
     rolling = observed.workload is not None and (
         not synced or updated < desired or ready < desired or replicas > desired
@@ -215,6 +230,8 @@ def compute_status(
         "endpoint": endpoint(llmi),
         "conditions": conditions,
     }
+    if downloading is not None:
+        status["modelDownload"] = downloading
     # With autoscaling the count is the autoscaler's to write: a status computed from an
     # older snapshot must not undo its latest decision.
     if llmi.spec.autoscaling is None:
@@ -222,18 +239,34 @@ def compute_status(
     return status
 
 
-def _not_ready(problems: tuple[PodProblem, ...], ready: int, desired: int) -> tuple[str, str]:
+def _moment(now: str) -> datetime:
+    try:
+        return datetime.fromisoformat(now)
+    except ValueError:  # a label, not a time (tests): the clock's
+        return datetime.now(UTC)
+
+
+def _not_ready(
+    problems: tuple[PodProblem, ...],
+    downloading: dict[str, Any] | None,
+    ready: int,
+    desired: int,
+) -> tuple[str, str]:
     """Ready=False's reason and message: the pods' own reason where they give one (the
-    first that will not clear by itself, else the first), named with their messages."""
+    first that will not clear by itself, else the first), named with their messages; else
+    the model download they wait for (``ModelDownloading``), with its progress."""
     counted = f"{ready}/{desired} replicas ready"
+    fetch = [str(downloading["message"])] if downloading else []
     if not problems:
+        if fetch:
+            return "ModelDownloading", f"{counted}: {fetch[0]}"
         return "ReplicasNotReady", counted
     first = next((p for p in problems if p.fatal), problems[0])
     named = "; ".join(str(p) for p in problems[:PROBLEMS_NAMED])
     more = len(problems) - PROBLEMS_NAMED
     if more > 0:
         named += f"; and {more} more"
-    return first.reason, f"{counted}: {named}"
+    return first.reason, "; ".join([f"{counted}: {named}", *fetch])
 
 
 def _kstatus(

@@ -31,6 +31,7 @@ from brook_operator.controller.conditions import (
     invalid_status,
     spec_error,
 )
+from brook_operator.controller.downloads import PodDownload, read_downloads
 from brook_operator.controller.pod_reasons import PodProblem, pod_problems
 from brook_operator.kube import STATUS_MANAGER, KubeClient, KubeError
 from brook_operator.render import (
@@ -129,13 +130,15 @@ class Reconciler:
             log.warning("%s/%s: %s", namespace, name, exc)
             result.error = exc
         workload = self.read_workload(llmi)
+        problems, downloads = self.read_pods(llmi)
         observed = Observed(
             workload=workload,
             desired_replicas=desired_replicas(llmi, self._count(llmi, body, workload, count)),
             lws_missing=lws_missing,
             error=str(result.error) if result.error else None,
             problem=result.problem,
-            pod_problems=self.read_pod_problems(llmi),
+            pod_problems=problems,
+            downloads=downloads,
             missing_apis=tuple(missing.values()),
         )
         result.status = compute_status(llmi, observed, body.get("status"))
@@ -174,12 +177,14 @@ class Reconciler:
         if degraded.get("status") == "True" and degraded.get("reason") in _KEPT_PROBLEMS:
             problem = (str(degraded["reason"]), str(degraded.get("message", "")))
         workload = self.read_workload(llmi)
+        problems, downloads = self.read_pods(llmi)
         observed = Observed(
             workload=workload,
             desired_replicas=desired_replicas(llmi, self._count(llmi, body, workload, None)),
             lws_missing=lws_missing,
             problem=problem,
-            pod_problems=self.read_pod_problems(llmi),
+            pod_problems=problems,
+            downloads=downloads,
             missing_apis=tuple(self.missing_apis(llmi).values()),
         )
         status = compute_status(llmi, observed, previous)
@@ -199,17 +204,20 @@ class Reconciler:
 
     # -- steps ---------------------------------------------------------------------------
 
-    def read_pod_problems(self, llmi: LLMInference) -> tuple[PodProblem, ...]:
-        """Why the resource's engine pods are not serving (terminating pods aside); none
-        when the pods cannot be read (the status then counts replicas only)."""
+    def read_pods(
+        self, llmi: LLMInference
+    ) -> tuple[tuple[PodProblem, ...], tuple[PodDownload, ...]]:
+        """Why the resource's engine pods are not serving, and the model downloads they
+        wait for (terminating pods aside); neither when the pods cannot be read (the
+        status then counts replicas only)."""
         selector = ",".join(f"{k}={v}" for k, v in selector_labels(llmi).items())
         try:
             pods = self.kube.list("v1", "Pod", llmi.metadata.namespace, selector)
         except KubeError as exc:
             log.info("%s: pods not read: %s", llmi.metadata.name, exc)
-            return ()
+            return (), ()
         live = [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
-        return tuple(problem for pod in live for problem in pod_problems(pod))
+        return tuple(problem for pod in live for problem in pod_problems(pod)), read_downloads(live)
 
     def _write_status(self, namespace: str | None, name: str, status: dict[str, Any]) -> None:
         self.kube.apply_status(API_VERSION, KIND, namespace, name, status, STATUS_MANAGER)
@@ -379,7 +387,10 @@ def _conflict_message(
 
 
 def _same(status: dict[str, Any], previous: dict[str, Any]) -> bool:
-    """Whether applying ``status`` would change nothing this writer owns."""
+    """Whether applying ``status`` would change nothing this writer owns (a download's
+    progress it no longer writes is removed by writing)."""
+    if "modelDownload" in previous and "modelDownload" not in status:
+        return False
     before = conditions_by_type(previous)
     for key, value in status.items():
         if key == "conditions":

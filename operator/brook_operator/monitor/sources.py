@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from brook_operator.api import API_VERSION
-from brook_operator.autoscaler.scrape import ScrapeError, read_body
 from brook_operator.kube import KubeClient, KubeError
 from brook_operator.local_run import LocalServer, local_servers
 from brook_operator.monitor.figures import Frame
 from brook_operator.monitor.readings import Reading, ReadingError
+from brook_operator.pod_http import ScrapeError, read_body
 from brook_operator.render.labels import INSTANCE_LABEL, ROLE_LABEL
 from brook_operator.render.pod import HTTP_PORT, http_port
 

@@ -10,6 +10,9 @@ local folder the engine then loads.
 - ``hf://`` with ``model.cache``: the download goes into a folder of a shared claim, named
   after the model and revision, once for every replica (``brook-engine fetch`` locks it and
   marks it complete); the engine mounts the claim read-only.
+
+``brook-engine fetch`` serves its progress on the API port while it runs (the engine has not
+started); the operator reads it into ``status.modelDownload``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from brook_operator.render.settings import OperatorSettings
 MODELS_DIR = "/models"
 MODEL_VOLUME = "model"
 FETCH_CONTAINER = "fetch-model"
+#: ``brook-engine fetch``'s flag serving its progress (the operator reads the port from it).
+PROGRESS_PORT_FLAG = "--progress-port"
 _CREDENTIALS_VOLUME = "model-credentials"
 _CREDENTIALS_DIR = "/var/run/secrets/brook/model-credentials"
 
@@ -120,6 +125,8 @@ def model_source(spec: LLMInferenceSpec, settings: OperatorSettings) -> ModelSou
         if spec.model.revision:
             command += ["--revision", spec.model.revision]
         command += [f"--include={p}" for p in include] + [f"--exclude={p}" for p in exclude]
+        # its progress, on the API port the engine takes later, for status.modelDownload
+        command.append(f"{PROGRESS_PORT_FLAG}={spec.server.port}")
         env.append({"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"})
         if ref is not None:
             env.append(

@@ -12,7 +12,9 @@ cluster.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import shutil
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,9 +24,11 @@ import kmock
 import pytest
 
 from brook_operator.rbac import CLUSTER_RULES, NAMESPACED_RULES
+from support import hub
 from support import operator_scenarios as scenarios
 from support.kube_api import KubeApi, leaderworkerset_crd, minimal_crd
 from support.operator_process import OperatorProcess
+from support.ports import free_port
 from support.rbac_usage import USED, record_rbac
 
 NAMESPACE = "ai"
@@ -241,7 +245,9 @@ def test_killed_mid_reconcile_resumes_without_duplicates(
         record_rbac(api)
 
 
-def _failing_pod(api: KubeApi, name: str, status: dict[str, Any]) -> None:
+def _engine_pod(
+    api: KubeApi, name: str, status: dict[str, Any], init: list[dict[str, Any]] | None = None
+) -> None:
     """An engine pod of tiny-cpu as the kubelet or the scheduler reports it."""
     api.create(
         {
@@ -256,7 +262,10 @@ def _failing_pod(api: KubeApi, name: str, status: dict[str, Any]) -> None:
                     "brook.dev/role": "leader",
                 },
             },
-            "spec": {"containers": [{"name": "engine", "image": "brook-engine:test"}]},
+            "spec": {
+                "containers": [{"name": "engine", "image": "brook-engine:test"}],
+                "initContainers": init or [],
+            },
         }
     )
     api.set_status("pods", name, status, NAMESPACE)
@@ -287,7 +296,7 @@ def test_status_says_why_replicas_are_not_ready(
                 }
             },
         }
-        _failing_pod(kube_api, "tiny-cpu-a", {"phase": "Running", "containerStatuses": [crash]})
+        _engine_pod(kube_api, "tiny-cpu-a", {"phase": "Running", "containerStatuses": [crash]})
         pull = {
             "name": "engine",
             "state": {
@@ -297,14 +306,14 @@ def test_status_says_why_replicas_are_not_ready(
                 }
             },
         }
-        _failing_pod(kube_api, "tiny-cpu-b", {"phase": "Pending", "containerStatuses": [pull]})
+        _engine_pod(kube_api, "tiny-cpu-b", {"phase": "Pending", "containerStatuses": [pull]})
         unschedulable = {
             "type": "PodScheduled",
             "status": "False",
             "reason": "Unschedulable",
             "message": "0/3 nodes are available: 3 Insufficient cpu.",
         }
-        _failing_pod(kube_api, "tiny-cpu-c", {"phase": "Pending", "conditions": [unschedulable]})
+        _engine_pod(kube_api, "tiny-cpu-c", {"phase": "Pending", "conditions": [unschedulable]})
 
         def says_all(obj: dict[str, Any] | None) -> bool:
             message = str(scenarios.condition(obj, "Ready").get("message", ""))
@@ -332,6 +341,76 @@ def test_status_says_why_replicas_are_not_ready(
         )
         assert scenarios.condition(llmi, "Ready")["reason"] == "ReplicasNotReady"
         assert scenarios.condition(llmi, "Reconciling")["status"] == "True"
+
+
+def test_status_shows_the_model_download_a_pod_serves(
+    kube_api: KubeApi,
+    brook_crd: Any,
+    tmp_path: Path,
+    make_tiny_model: Callable[..., Path],
+) -> None:
+    """A real ``brook-engine fetch`` (as the pod's init container runs it, serving its
+    progress on the pod's API port) downloads from the Hub stand-in; the operator reads it
+    by the pod's IP into status.modelDownload and Ready's ModelDownloading; when the fetch
+    container has ended, the field goes."""
+    served = tmp_path / "served"
+    shutil.copytree(make_tiny_model("llama"), served)
+    total = sum(p.stat().st_size for p in served.iterdir())
+    kube_api.create_namespace(NAMESPACE)
+    cluster = EmulatedCluster(kube_api)
+    port = free_port()
+    with hub.serving(served, "brook-test/tiny", rate=total / 8) as stand_in:
+        fetch = hub.fetch(
+            stand_in.url, "brook-test/tiny", tmp_path / "model", f"--progress-port={port}"
+        )
+        with _resyncing_operator(kube_api, tmp_path):
+            scenarios.apply(cluster, scenarios.manifest("tiny-cpu", NAMESPACE, replicas=1))
+            scenarios.wait_status(
+                cluster, "tiny-cpu", lambda o: bool(scenarios.condition(o, "Ready")), "Ready"
+            )
+            started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            fetcher = {"name": "fetch-model", "state": {"running": {"startedAt": started}}}
+            _engine_pod(
+                kube_api,
+                "tiny-cpu-a",
+                {"phase": "Pending", "podIP": "127.0.0.1", "initContainerStatuses": [fetcher]},
+                init=[
+                    {
+                        "name": "fetch-model",
+                        "image": "brook-engine:test",
+                        "command": ["brook-engine", "fetch", f"--progress-port={port}"],
+                    }
+                ],
+            )
+
+            def midway(obj: dict[str, Any]) -> bool:
+                download = (obj.get("status") or {}).get("modelDownload") or {}
+                return 0 < download.get("bytesDone", 0) < download.get("bytesTotal", 0)
+
+            llmi = scenarios.wait_status(cluster, "tiny-cpu", midway, "download progress")
+            download = llmi["status"]["modelDownload"]
+            assert download["bytesTotal"] == total
+            assert download["pods"] == download["podsReporting"] == 1
+            ready = scenarios.condition(llmi, "Ready")
+            assert ready["reason"] == "ModelDownloading", ready
+            assert "downloading the model in 1 pod for " in ready["message"], ready
+            assert f"({download['bytesDone'] / total:.0%})" in ready["message"], ready
+            _, err = fetch.communicate(timeout=120)
+            assert fetch.returncode == 0, err
+            fetcher["state"] = {"terminated": {"exitCode": 0, "reason": "Completed"}}
+            kube_api.set_status(
+                "pods",
+                "tiny-cpu-a",
+                {"phase": "Pending", "podIP": "127.0.0.1", "initContainerStatuses": [fetcher]},
+                NAMESPACE,
+            )
+            llmi = scenarios.wait_status(
+                cluster,
+                "tiny-cpu",
+                lambda o: "modelDownload" not in (o.get("status") or {}),
+                "the download gone from status",
+            )
+            assert scenarios.condition(llmi, "Ready")["reason"] == "ReplicasNotReady"
 
 
 def test_router_renders_the_inference_pool_and_route_once_their_apis_exist(

@@ -13,7 +13,8 @@ from brook_operator.api.autoscaling import AutoscalingSpec
 from brook_operator.autoscaler.capacity import MIN_READINGS, WINDOW, CapacityEstimate
 from brook_operator.autoscaler.policy import Policy, ReplicaSignals, decide
 from brook_operator.autoscaler.rates import DemandCounters, demand_rate
-from brook_operator.autoscaler.scrape import ScrapeError, parse_metrics
+from brook_operator.autoscaler.scrape import parse_metrics
+from brook_operator.pod_http import ScrapeError
 
 from .test_autoscaler_parts import _exposition
 from .test_autoscaler_policy import BASE, NOW, fleet, past

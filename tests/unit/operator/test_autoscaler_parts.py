@@ -13,8 +13,9 @@ from brook_engine.metrics.prometheus import EngineMetrics
 from brook_engine.metrics.stats import EngineStats
 from brook_operator.autoscaler.loop import interval_seconds, metrics_url
 from brook_operator.autoscaler.policy import decide
-from brook_operator.autoscaler.scrape import ScrapeError, parse_metrics
+from brook_operator.autoscaler.scrape import parse_metrics
 from brook_operator.autoscaler.status_patch import KEPT_DECISIONS, autoscaling_status
+from brook_operator.pod_http import ScrapeError
 
 from .test_autoscaler_policy import BASE, NOW, fleet, past
 
