@@ -112,6 +112,7 @@ def _fetch_hub(
             if done is not None and all(done.get(k) == v for k, v in wanted.items()):
                 commit = done.get("commit")
                 return Fetched(folder, commit if isinstance(commit, str) else None, False)
+            _drop_partials(folder)
             if progress is not None:
                 progress.set_state("downloading")
             print(f"downloading hf://{repo} into {folder}", file=sys.stderr, flush=True)
@@ -145,6 +146,14 @@ def _fetch_hub(
             "volume must be writable by the engine's user (a shared claim: an export that "
             "maps writes to that user, or a group-writable folder; see docs/operator.md)"
         ) from None
+
+
+def _drop_partials(folder: Path) -> None:
+    """Delete the partial files of downloads cut short (a pod killed mid-download): the Hub
+    client names them per process, so none can be resumed, and they would fill a shared
+    claim and count as progress. Only under the lock: no other fetch is writing here."""
+    for partial in (folder / ".cache" / "huggingface" / "download").rglob("*.incomplete"):
+        partial.unlink(missing_ok=True)
 
 
 def _commit(folder: Path) -> str | None:

@@ -3,10 +3,13 @@
 The pod holds no API token, so it cannot write status itself; the engine's port is free
 until the engine starts, and the operator already reaches it for ``/metrics``.
 
-The bytes are counted on disk, not inside the Hub client: the files of the listing that are
-in the folder, plus the client's partial files (``*.incomplete``). So a replica waiting on
-another's download into a shared folder reports that download's progress too, and nothing
-depends on the client's internals but where it keeps partial files.
+The bytes are counted on disk, not inside the Hub client: the listed files in place, plus
+the client's partial files (``*.incomplete`` under ``.cache/huggingface/download``, where
+huggingface_hub keeps them; it writes them in 10 MiB pieces, so the count moves in such
+steps). A replica waiting on another's download into a shared folder thus reports that
+download too. One sampler thread lists the files (once the download starts, retried until
+the Hub answers) and counts them every ``SAMPLE_SECONDS``; a request is answered with its
+latest count, so no request waits on the Hub or the disk.
 """
 
 from __future__ import annotations
@@ -26,19 +29,21 @@ from brook_engine.config import DOWNLOAD_PROGRESS_PATH
 
 #: The path the progress is served at.
 PROGRESS_PATH = DOWNLOAD_PROGRESS_PATH
-#: How often the bytes on disk are counted (for the rate) and over how long the rate is taken.
-SAMPLE_SECONDS = 2.0
+#: How often the bytes on disk are counted, and over how long the rate is taken.
+SAMPLE_SECONDS = 1.0
 RATE_WINDOW_SECONDS = 30.0
+#: Wait before asking the Hub for the listing again after it failed.
+LIST_RETRY_SECONDS = 10.0
 
 State = Literal["starting", "waiting", "downloading", "complete", "failed"]
-#: ``{path in the repository: size}`` of the files this download takes, or None (unknown).
-Lister = Callable[[], dict[str, int] | None]
+#: ``{path in the repository: size}`` of the files this download takes.
+Lister = Callable[[], dict[str, int]]
 
 
 class Progress:
-    """What one ``fetch`` has done so far. ``state`` is set by the fetch; the listing (what
-    the download will take, for the total) is asked for once, off the download's path, when
-    the state first leaves ``starting``: an already-complete folder asks the Hub nothing."""
+    """What one ``fetch`` has done so far. ``state`` is set by the fetch; ``sample`` (the
+    sampler thread's, or a test's) lists the files once the state has left ``starting``
+    (an already-complete folder asks the Hub nothing) and counts them."""
 
     def __init__(self, model: str, folder: Path, lister: Lister) -> None:
         self.model = model
@@ -47,20 +52,23 @@ class Progress:
         self.state: State = "starting"
         self._lister = lister
         self._files: dict[str, int] | None = None
-        self._listed = False
+        self._next_list = 0.0
         self._samples: deque[tuple[float, int]] = deque()
-        self._lock = threading.Lock()
+        self.latest: dict[str, object] = self._document(self.state, 0, None, 0, None)
 
     def set_state(self, state: State) -> None:
         self.state = state
 
-    def _listing(self) -> dict[str, int] | None:
-        if not self._listed and self.state in ("waiting", "downloading"):
-            self._listed = True
+    def _listing(self, state: State) -> dict[str, int] | None:
+        now = time.monotonic()
+        if self._files is None and state in ("waiting", "downloading") and now >= self._next_list:
             try:
                 self._files = self._lister()
             except Exception as exc:  # no total is a lesser answer, never a failure
-                print(f"download size unknown: {exc}", file=sys.stderr, flush=True)
+                self._next_list = now + LIST_RETRY_SECONDS
+                print(f"download size unknown for now: {exc}", file=sys.stderr, flush=True)
+            else:
+                self._samples.clear()  # the bytes already there are not this second's
         return self._files
 
     def _on_disk(self, files: dict[str, int] | None) -> tuple[int, int]:
@@ -78,46 +86,60 @@ class Progress:
             for name in names:
                 if name.endswith(".incomplete"):
                     try:
-                        done += (Path(dirpath) / name).stat().st_size
+                        info = (Path(dirpath) / name).stat()
                     except OSError:
                         continue  # moved into place meanwhile
+                    # a file written out of order may be longer than what it holds
+                    done += min(info.st_size, info.st_blocks * 512)
         return done, whole
 
     def sample(self) -> dict[str, object]:
-        """The progress now, as served (camelCase, like the status it becomes)."""
-        with self._lock:
-            files = self._listing()
-            done, whole = self._on_disk(files)
-            total = sum(files.values()) if files is not None else None
-            if total is not None:
-                done = min(done, total)
-            if self.state == "complete" and total is not None:
+        """Count now; the answer (camelCase, like the status it becomes) is also kept as
+        ``latest``."""
+        state = self.state
+        files = self._listing(state)
+        done, whole = self._on_disk(files)
+        total = sum(files.values()) if files is not None else None
+        if total is not None:
+            done = min(done, total)
+            if state == "complete":
                 done, whole = total, len(files or {})
+        rate = None
+        if files is not None:
             now = time.monotonic()
             self._samples.append((now, done))
-            while self._samples and now - self._samples[0][0] > RATE_WINDOW_SECONDS:
+            while now - self._samples[0][0] > RATE_WINDOW_SECONDS:
                 self._samples.popleft()
             first_time, first_done = self._samples[0]
-            rate = (done - first_done) / (now - first_time) if now > first_time else None
-            return {
-                "model": self.model,
-                "state": self.state,
-                "bytesDone": done,
-                "bytesTotal": total,
-                "filesDone": whole,
-                "filesTotal": len(files) if files is not None else None,
-                "bytesPerSecond": round(rate, 1) if rate is not None else None,
-                "startedAt": round(self.started_at, 3),
-            }
+            if now > first_time:  # a dip (a file between partial and place) is no rate
+                rate = max(0.0, (done - first_done) / (now - first_time))
+        self.latest = self._document(state, done, total, whole, rate)
+        return self.latest
+
+    def _document(
+        self, state: State, done: int, total: int | None, whole: int, rate: float | None
+    ) -> dict[str, object]:
+        return {
+            "model": self.model,
+            "state": state,
+            "bytesDone": done,
+            "bytesTotal": total,
+            "filesDone": whole,
+            "filesTotal": len(self._files) if self._files is not None else None,
+            "bytesPerSecond": round(rate, 1) if rate is not None else None,
+            "startedAt": round(self.started_at, 3),
+        }
 
 
 def _handler(progress: Progress) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
+        timeout = 10  # an idle connection does not hold a thread
+
         def do_GET(self) -> None:
             if self.path.split("?", 1)[0] != PROGRESS_PATH:
                 self.send_error(404)
                 return
-            body = json.dumps(progress.sample()).encode()
+            body = json.dumps(progress.latest).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
@@ -157,8 +179,13 @@ class ProgressServer:
         return self
 
     def _sample(self) -> None:
-        while not self._stop.wait(SAMPLE_SECONDS):
-            self.progress.sample()
+        while True:
+            try:
+                self.progress.sample()
+            except Exception as exc:  # the download goes on; the answer stays as it was
+                print(f"progress not counted: {exc}", file=sys.stderr, flush=True)
+            if self._stop.wait(SAMPLE_SECONDS):
+                return
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
@@ -175,13 +202,13 @@ def hub_lister(
     """The Hub's file listing of ``repo`` at ``revision``, filtered as the download filters
     it (the Hub client's own pattern matching)."""
 
-    def listing() -> dict[str, int] | None:
+    def listing() -> dict[str, int]:
         from huggingface_hub import HfApi
         from huggingface_hub.hf_api import RepoFile
-        from huggingface_hub.utils import filter_repo_objects  # type: ignore[attr-defined]
 
-        # filter_repo_objects: the patterns as snapshot_download matches them (public; the
-        # package's typing just does not re-export it)
+        # the patterns as snapshot_download matches them (public; its typing does not
+        # re-export it)
+        from huggingface_hub.utils import filter_repo_objects  # type: ignore[attr-defined]
 
         tree = HfApi().list_repo_tree(repo, revision=revision, recursive=True)
         sizes = {e.path: int(e.size) for e in tree if isinstance(e, RepoFile)}

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from brook_engine.metrics import names
 from brook_operator.autoscaler.rates import DemandCounters
-from brook_operator.pod_http import ScrapeError, read_body
+from brook_operator.pod_http import PodReadError, read_body
 
 #: Longest a scrape may take; a slow engine is reported stale, not waited for.
 SCRAPE_TIMEOUT_SECONDS = 3.0
@@ -49,10 +49,10 @@ def parse_metrics(text: str) -> EngineSample:
                 if sample.name in wanted and sample.name not in values:
                     values[sample.name] = float(sample.value)
     except ValueError as exc:
-        raise ScrapeError(f"unparsable metrics: {exc}") from None
+        raise PodReadError(f"unparsable metrics: {exc}") from None
     missing = sorted({names.KV_CACHE_USAGE_RATIO, names.NUM_REQUESTS_WAITING} - values.keys())
     if missing:
-        raise ScrapeError(f"metrics lack {', '.join(missing)} (is this a Brook engine?)")
+        raise PodReadError(f"metrics lack {', '.join(missing)} (is this a Brook engine?)")
     kv = values[names.KV_CACHE_USAGE_RATIO]
     waiting = values[names.NUM_REQUESTS_WAITING]
     running = values.get(names.NUM_REQUESTS_RUNNING)
@@ -63,7 +63,7 @@ def parse_metrics(text: str) -> EngineSample:
     # (NaN < 0 is False): a pod reporting them has no usable sample, it is stale.
     bad = sorted(k for k, v in values.items() if not math.isfinite(v))
     if bad:
-        raise ScrapeError(f"metrics not finite: {', '.join(f'{k}={values[k]}' for k in bad)}")
+        raise PodReadError(f"metrics not finite: {', '.join(f'{k}={values[k]}' for k in bad)}")
     if (
         not 0.0 <= kv <= 1.0
         or waiting < 0
@@ -71,7 +71,7 @@ def parse_metrics(text: str) -> EngineSample:
         or (overlap is not None and not 0.0 <= overlap <= 1)
         or any(v < 0 for v in (prompt, generated) if v is not None)
     ):
-        raise ScrapeError(
+        raise PodReadError(
             f"metrics out of range: kv={kv} waiting={waiting} running={running} "
             f"overlap={overlap} prompt_tokens={prompt} generation_tokens={generated}"
         )
@@ -98,15 +98,15 @@ Scraper = Callable[[str], EngineSample]
 
 def scrape_all(
     urls: Sequence[str], scraper: Scraper = scrape
-) -> dict[str, EngineSample | ScrapeError]:
+) -> dict[str, EngineSample | PodReadError]:
     """Every URL at once (a slow pod must not delay the others' samples)."""
     if not urls:
         return {}
 
-    def one(url: str) -> EngineSample | ScrapeError:
+    def one(url: str) -> EngineSample | PodReadError:
         try:
             return scraper(url)
-        except ScrapeError as exc:
+        except PodReadError as exc:
             return exc
 
     with ThreadPoolExecutor(max_workers=min(16, len(urls))) as pool:

@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from brook_operator.api import LLMInference, topology
-from brook_operator.controller.downloads import PodDownload, download_status
+from brook_operator.controller.downloads import PodDownload, download_status, parse_time
 from brook_operator.controller.pod_reasons import PodProblem, workload_problems
 from brook_operator.render import ROLE_LABEL, endpoint, selector_labels
 from brook_operator.render.workload import LWS_GROUP
@@ -138,10 +138,11 @@ def invalid_status(body: dict[str, Any], message: str, now: str | None = None) -
     ]
     keep = [previous[t] for t in ("Degraded", "Progressing") if t in previous]
     autoscaled = isinstance((body.get("spec") or {}).get("autoscaling"), dict)
+    # a download's progress is not kept: it would go stale while nothing reads it
     fields = {
         k: status[k]
         for k in OWN_FIELDS
-        if k in status and not (k == "desiredReplicas" and autoscaled)
+        if k in status and k != "modelDownload" and not (k == "desiredReplicas" and autoscaled)
     }
     return {**fields, "observedGeneration": generation, "conditions": conditions + keep}
 
@@ -156,7 +157,7 @@ def compute_status(
     now = now or now_rfc3339()
     generation = llmi.metadata.generation
     previous = conditions_by_type(previous_status)
-    downloading = download_status(observed.downloads, _moment(now))
+    downloading = download_status(observed.downloads, parse_time(now) or datetime.now(UTC))
     workload = observed.workload or {}
     wstatus = workload.get("status") or {}
     desired = observed.desired_replicas
@@ -237,13 +238,6 @@ def compute_status(
     if llmi.spec.autoscaling is None:
         status["desiredReplicas"] = desired
     return status
-
-
-def _moment(now: str) -> datetime:
-    try:
-        return datetime.fromisoformat(now)
-    except ValueError:  # a label, not a time (tests): the clock's
-        return datetime.now(UTC)
 
 
 def _not_ready(

@@ -1,11 +1,14 @@
 """The model downloads of engine pods still initializing: which pods are fetching (their
 ``fetch-model`` init container runs), and how far each has got, read from the progress
-``brook-engine fetch`` serves on the pod's API port (``DOWNLOAD_PROGRESS_PATH``). The pods
-have no API token to write it; the operator reaches the port as it does for ``/metrics``.
+``brook-engine fetch`` serves on the resource's API port (``DOWNLOAD_PROGRESS_PATH``). The
+pods have no API token to write it; the operator reaches the port as it does for
+``/metrics``.
 
-Read directly (no proxy, no redirect), bounded in time and size, a few pods at once: a pod
-that does not answer is counted as fetching with no progress, never waited for. Fetchers
-that serve nothing (s3://, oci://) are counted by how long they have run.
+Read directly (``pod_http``), bounded in time and size, a few pods at once (the most recently
+started, the likeliest to be furthest behind): a pod that does not answer, or answers
+anything but a progress, is counted as fetching with no progress, never waited for and never
+a failure of the round. Fetchers that serve nothing (s3://, oci://) and pods on the host's
+network are counted by how long they have run.
 """
 
 from __future__ import annotations
@@ -15,22 +18,26 @@ import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from brook_engine.config import DOWNLOAD_PROGRESS_PATH
-from brook_operator.pod_http import ScrapeError, read_body
+from brook_operator.pod_http import read_body
 from brook_operator.render.model_source import FETCH_CONTAINER, PROGRESS_PORT_FLAG
 
 #: Pods whose progress is read each round (the others are counted); a shared cache gives
 #: them all the same answer, and a fleet of separate downloads moves together.
 READ_AT_MOST = 8
 READ_TIMEOUT_SECONDS = 2.0
+#: Largest answer read (a progress is a few hundred bytes).
+MAX_ANSWER_BYTES = 64 * 1024
 _STATES = frozenset({"starting", "waiting", "downloading", "complete", "failed"})
+#: Largest count taken from a pod: exact in JSON's doubles, and far below the CRD's int64.
+_MAX_COUNT = 2**53
 
 
 @dataclass(frozen=True)
-class Progress:
+class FetchProgress:
     """One fetch's answer."""
 
     state: str
@@ -57,86 +64,116 @@ class PodDownload:
     url: str | None
     """Where its progress is served; None for a fetcher that serves none."""
 
-    progress: Progress | None = None
+    progress: FetchProgress | None = None
     """What it answered; None when it serves nothing or did not answer."""
 
 
-def fetching(pod: dict[str, Any]) -> PodDownload | None:
-    """``pod``'s download when its fetch container is running, else None."""
+def fetching(pod: dict[str, Any], port: int) -> PodDownload | None:
+    """``pod``'s download when its fetch container is running, else None; its progress is
+    asked of ``port`` (the resource's API port, never one the pod names)."""
     status = pod.get("status") or {}
     for container in status.get("initContainerStatuses") or []:
         running = (container.get("state") or {}).get("running")
         if container.get("name") == FETCH_CONTAINER and running is not None:
             name = str((pod.get("metadata") or {}).get("name", "?"))
-            return PodDownload(name, _time(running.get("startedAt")), _progress_url(pod))
+            url = _progress_url(pod, port)
+            return PodDownload(name, parse_time(running.get("startedAt")), url)
     return None
 
 
-def _progress_url(pod: dict[str, Any]) -> str | None:
+def _progress_url(pod: dict[str, Any], port: int) -> str | None:
+    """Where ``pod`` serves its progress: only a ``brook-engine fetch`` that was told to, on
+    the pod's own network (a pod on the host's would be the node's address)."""
+    spec = pod.get("spec") or {}
     ip = (pod.get("status") or {}).get("podIP")
-    for container in (pod.get("spec") or {}).get("initContainers") or []:
+    if not ip or spec.get("hostNetwork"):
+        return None
+    for container in spec.get("initContainers") or []:
         if container.get("name") != FETCH_CONTAINER:
             continue
-        for arg in [*(container.get("command") or []), *(container.get("args") or [])]:
-            flag, _, value = str(arg).partition("=")
-            if flag == PROGRESS_PORT_FLAG and value.isdigit() and ip:
-                host = f"[{ip}]" if ":" in ip else ip
-                return f"http://{host}:{int(value)}{DOWNLOAD_PROGRESS_PATH}"
+        args = [*(container.get("command") or []), *(container.get("args") or [])]
+        if any(str(arg).partition("=")[0] == PROGRESS_PORT_FLAG for arg in args):
+            host = f"[{ip}]" if ":" in ip else ip
+            return f"http://{host}:{port}{DOWNLOAD_PROGRESS_PATH}"
     return None
 
 
-def _time(value: object) -> datetime | None:
+def parse_time(value: object) -> datetime | None:
+    """An RFC 3339 time as a UTC ``datetime`` (one without a zone is taken as UTC), or
+    None."""
+    if not isinstance(value, str) or not value:
+        return None
     try:
-        return datetime.fromisoformat(str(value).replace("Z", "+00:00")) if value else None
+        moment = datetime.fromisoformat(value)
     except ValueError:
         return None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return moment.astimezone(UTC)
 
 
-def parse_progress(text: str) -> Progress:
-    """A fetch's JSON answer; ``ValueError`` for anything else (a pod's answer is not
-    trusted: numbers must be finite and non-negative)."""
+def parse_progress(text: str) -> FetchProgress:
+    """A fetch's JSON answer; ``ValueError`` for anything else. A pod's answer is not
+    trusted: counts must be whole, non-negative and below 2**53; a rate that is not a
+    non-negative number is dropped (a momentary dip), not the answer."""
     document = json.loads(text)
-    if not isinstance(document, dict) or document.get("state") not in _STATES:
+    if not isinstance(document, dict):
         raise ValueError("not a download's progress")
-
-    def number(key: str, kind: type[int] | type[float]) -> Any:
-        value = document.get(key)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(f"{key}: not a number")
-        if not math.isfinite(value) or value < 0:
-            raise ValueError(f"{key}: {value}")
-        return kind(value)
-
-    done = number("bytesDone", int)
-    return Progress(
-        state=str(document["state"]),
-        bytes_done=done or 0,
-        bytes_total=number("bytesTotal", int),
-        bytes_per_second=number("bytesPerSecond", float),
+    state = document.get("state")
+    if not isinstance(state, str) or state not in _STATES:
+        raise ValueError(f"state: {state!r}")
+    return FetchProgress(
+        state=state,
+        bytes_done=_count(document, "bytesDone") or 0,
+        bytes_total=_count(document, "bytesTotal"),
+        bytes_per_second=_rate(document.get("bytesPerSecond")),
     )
+
+
+def _count(document: dict[str, Any], key: str) -> int | None:
+    value = document.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{key}: not a number")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{key}: {value}")
+    if not 0 <= value < _MAX_COUNT:
+        raise ValueError(f"{key}: out of range")
+    return int(value)
+
+
+def _rate(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return float(value) if 0 <= value < _MAX_COUNT else None
 
 
 Reader = Callable[[str], str]
 
 
 def read_downloads(
-    pods: Sequence[dict[str, Any]], reader: Reader | None = None
+    pods: Sequence[dict[str, Any]], port: int, reader: Reader | None = None
 ) -> tuple[PodDownload, ...]:
-    """The pods fetching their model, the first ``READ_AT_MOST`` of those that serve a
-    progress with what they answered."""
-    found = [d for d in (fetching(pod) for pod in pods) if d is not None]
-    asked = [d for d in found if d.url is not None][:READ_AT_MOST]
+    """The pods fetching their model; the ``READ_AT_MOST`` most recently started of those
+    that serve a progress, with what they answered on ``port``."""
+    found = [d for d in (fetching(pod, port) for pod in pods) if d is not None]
+    serving = [d for d in found if d.url is not None]
+    serving.sort(key=lambda d: d.started_at or datetime.max.replace(tzinfo=UTC), reverse=True)
+    asked = serving[:READ_AT_MOST]
     if not asked:
         return tuple(found)
-    read = reader or (lambda url: read_body(url, READ_TIMEOUT_SECONDS, "application/json"))
 
-    def one(download: PodDownload) -> Progress | None:
+    def read(url: str) -> str:
+        return read_body(url, READ_TIMEOUT_SECONDS, "application/json", MAX_ANSWER_BYTES)
+
+    def one(download: PodDownload) -> FetchProgress | None:
         try:
-            return parse_progress(read(str(download.url)))
-        except (ScrapeError, ValueError):
-            return None  # not listening yet, or past it: counted, not waited for
+            return parse_progress((reader or read)(str(download.url)))
+        except Exception:  # whatever a pod answers, the round goes on: counted, not read
+            return None
 
     with ThreadPoolExecutor(max_workers=len(asked)) as pool:
         answers = dict(zip((d.pod for d in asked), pool.map(one, asked), strict=True))

@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from brook_operator.api import API_VERSION, KIND, LLMInference, topology
 from brook_operator.controller.conditions import (
     OWN_CONDITIONS,
+    OWN_FIELDS,
     Observed,
     compute_status,
     conditions_by_type,
@@ -217,7 +218,8 @@ class Reconciler:
             log.info("%s: pods not read: %s", llmi.metadata.name, exc)
             return (), ()
         live = [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
-        return tuple(problem for pod in live for problem in pod_problems(pod)), read_downloads(live)
+        problems = tuple(problem for pod in live for problem in pod_problems(pod))
+        return problems, read_downloads(live, llmi.spec.server.port)
 
     def _write_status(self, namespace: str | None, name: str, status: dict[str, Any]) -> None:
         self.kube.apply_status(API_VERSION, KIND, namespace, name, status, STATUS_MANAGER)
@@ -387,9 +389,11 @@ def _conflict_message(
 
 
 def _same(status: dict[str, Any], previous: dict[str, Any]) -> bool:
-    """Whether applying ``status`` would change nothing this writer owns (a download's
-    progress it no longer writes is removed by writing)."""
-    if "modelDownload" in previous and "modelDownload" not in status:
+    """Whether applying ``status`` would change nothing this writer owns. A field it owns and
+    no longer writes (a download's progress once it ends) is removed by writing; the
+    replica count of an autoscaled resource is the autoscaler's, not this writer's."""
+    dropped = set(OWN_FIELDS) - {"desiredReplicas"} - status.keys()
+    if dropped & previous.keys():
         return False
     before = conditions_by_type(previous)
     for key, value in status.items():

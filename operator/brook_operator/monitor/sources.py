@@ -27,7 +27,7 @@ from brook_operator.kube import KubeClient, KubeError
 from brook_operator.local_run import LocalServer, local_servers
 from brook_operator.monitor.figures import Frame
 from brook_operator.monitor.readings import Reading, ReadingError
-from brook_operator.pod_http import ScrapeError, read_body
+from brook_operator.pod_http import PodReadError, read_body
 from brook_operator.render.labels import INSTANCE_LABEL, ROLE_LABEL
 from brook_operator.render.pod import HTTP_PORT, http_port
 
@@ -55,7 +55,7 @@ def _http_get(url: str, accept: str = "text/plain") -> str:
     """The autoscaler's bounded, direct read of a server, its errors as ``MonitorError``."""
     try:
         return read_body(url, READ_TIMEOUT_SECONDS, accept)
-    except ScrapeError as exc:
+    except PodReadError as exc:
         raise MonitorError(str(exc)) from None
 
 

@@ -355,62 +355,68 @@ def test_status_shows_the_model_download_a_pod_serves(
     container has ended, the field goes."""
     served = tmp_path / "served"
     shutil.copytree(make_tiny_model("llama"), served)
+    # a shard the Hub client writes in 10 MiB pieces: progress at 10 and 20 MiB
+    (served / "model-00002-of-00002.safetensors").write_bytes(b"\0" * (30 << 20))
     total = sum(p.stat().st_size for p in served.iterdir())
     kube_api.create_namespace(NAMESPACE)
     cluster = EmulatedCluster(kube_api)
+    manifest = scenarios.manifest("tiny-cpu", NAMESPACE, replicas=1)
     port = free_port()
-    with hub.serving(served, "brook-test/tiny", rate=total / 8) as stand_in:
+    manifest["spec"]["server"] = {**manifest["spec"].get("server", {}), "port": port}
+    with (
+        hub.serving(served, "brook-test/tiny", rate=total / 12) as stand_in,
+        _resyncing_operator(kube_api, tmp_path),
+    ):
+        scenarios.apply(cluster, manifest)
+        scenarios.wait_status(
+            cluster, "tiny-cpu", lambda o: bool(scenarios.condition(o, "Ready")), "Ready"
+        )
         fetch = hub.fetch(
             stand_in.url, "brook-test/tiny", tmp_path / "model", f"--progress-port={port}"
         )
-        with _resyncing_operator(kube_api, tmp_path):
-            scenarios.apply(cluster, scenarios.manifest("tiny-cpu", NAMESPACE, replicas=1))
-            scenarios.wait_status(
-                cluster, "tiny-cpu", lambda o: bool(scenarios.condition(o, "Ready")), "Ready"
-            )
-            started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-            fetcher = {"name": "fetch-model", "state": {"running": {"startedAt": started}}}
-            _engine_pod(
-                kube_api,
-                "tiny-cpu-a",
-                {"phase": "Pending", "podIP": "127.0.0.1", "initContainerStatuses": [fetcher]},
-                init=[
-                    {
-                        "name": "fetch-model",
-                        "image": "brook-engine:test",
-                        "command": ["brook-engine", "fetch", f"--progress-port={port}"],
-                    }
-                ],
-            )
+        started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        fetcher = {"name": "fetch-model", "state": {"running": {"startedAt": started}}}
+        _engine_pod(
+            kube_api,
+            "tiny-cpu-a",
+            {"phase": "Pending", "podIP": "127.0.0.1", "initContainerStatuses": [fetcher]},
+            init=[
+                {
+                    "name": "fetch-model",
+                    "image": "brook-engine:test",
+                    "command": ["brook-engine", "fetch", f"--progress-port={port}"],
+                }
+            ],
+        )
 
-            def midway(obj: dict[str, Any]) -> bool:
-                download = (obj.get("status") or {}).get("modelDownload") or {}
-                return 0 < download.get("bytesDone", 0) < download.get("bytesTotal", 0)
+        def midway(obj: dict[str, Any]) -> bool:
+            download = (obj.get("status") or {}).get("modelDownload") or {}
+            return 10 << 20 <= download.get("bytesDone", 0) < download.get("bytesTotal", 0)
 
-            llmi = scenarios.wait_status(cluster, "tiny-cpu", midway, "download progress")
-            download = llmi["status"]["modelDownload"]
-            assert download["bytesTotal"] == total
-            assert download["pods"] == download["podsReporting"] == 1
-            ready = scenarios.condition(llmi, "Ready")
-            assert ready["reason"] == "ModelDownloading", ready
-            assert "downloading the model in 1 pod for " in ready["message"], ready
-            assert f"({download['bytesDone'] / total:.0%})" in ready["message"], ready
-            _, err = fetch.communicate(timeout=120)
-            assert fetch.returncode == 0, err
-            fetcher["state"] = {"terminated": {"exitCode": 0, "reason": "Completed"}}
-            kube_api.set_status(
-                "pods",
-                "tiny-cpu-a",
-                {"phase": "Pending", "podIP": "127.0.0.1", "initContainerStatuses": [fetcher]},
-                NAMESPACE,
-            )
-            llmi = scenarios.wait_status(
-                cluster,
-                "tiny-cpu",
-                lambda o: "modelDownload" not in (o.get("status") or {}),
-                "the download gone from status",
-            )
-            assert scenarios.condition(llmi, "Ready")["reason"] == "ReplicasNotReady"
+        llmi = scenarios.wait_status(cluster, "tiny-cpu", midway, "download progress")
+        download = llmi["status"]["modelDownload"]
+        assert download["bytesTotal"] == total
+        assert download["pods"] == download["podsReporting"] == 1
+        ready = scenarios.condition(llmi, "Ready")
+        assert ready["reason"] == "ModelDownloading", ready
+        assert "downloading the model in 1 pod for " in ready["message"], ready
+        assert f"({download['bytesDone'] / total:.0%})" in ready["message"], ready
+        _, err = fetch.communicate(timeout=120)
+        assert fetch.returncode == 0, err
+        fetcher["state"] = {"terminated": {"exitCode": 0, "reason": "Completed"}}
+        kube_api.set_status(
+            "pods",
+            "tiny-cpu-a",
+            {"phase": "Pending", "podIP": "127.0.0.1", "initContainerStatuses": [fetcher]},
+            NAMESPACE,
+        )
+        llmi = scenarios.wait_status(
+            cluster,
+            "tiny-cpu",
+            lambda o: "modelDownload" not in (o.get("status") or {}),
+            "the download gone from status",
+        )
+        assert scenarios.condition(llmi, "Ready")["reason"] == "ReplicasNotReady"
 
 
 def test_router_renders_the_inference_pool_and_route_once_their_apis_exist(

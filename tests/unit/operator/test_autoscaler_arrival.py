@@ -14,7 +14,7 @@ from brook_operator.autoscaler.capacity import MIN_READINGS, WINDOW, CapacityEst
 from brook_operator.autoscaler.policy import Policy, ReplicaSignals, decide
 from brook_operator.autoscaler.rates import DemandCounters, demand_rate
 from brook_operator.autoscaler.scrape import parse_metrics
-from brook_operator.pod_http import ScrapeError
+from brook_operator.pod_http import PodReadError
 
 from .test_autoscaler_parts import _exposition
 from .test_autoscaler_policy import BASE, NOW, fleet, past
@@ -78,7 +78,7 @@ def test_the_engine_exports_its_demand_counters() -> None:
     negative = (
         bare + "brook_engine_prompt_tokens_total -4\nbrook_engine_generation_tokens_total 1\n"
     )
-    with pytest.raises(ScrapeError, match="prompt_tokens=-4"):
+    with pytest.raises(PodReadError, match="prompt_tokens=-4"):
         parse_metrics(negative)
 
 

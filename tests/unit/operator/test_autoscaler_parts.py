@@ -15,7 +15,7 @@ from brook_operator.autoscaler.loop import interval_seconds, metrics_url
 from brook_operator.autoscaler.policy import decide
 from brook_operator.autoscaler.scrape import parse_metrics
 from brook_operator.autoscaler.status_patch import KEPT_DECISIONS, autoscaling_status
-from brook_operator.pod_http import ScrapeError
+from brook_operator.pod_http import PodReadError
 
 from .test_autoscaler_policy import BASE, NOW, fleet, past
 
@@ -63,7 +63,7 @@ def test_parse_reads_the_engines_own_exposition() -> None:
     ],
 )
 def test_parse_refuses_what_is_not_an_engine(text: str, message: str) -> None:
-    with pytest.raises(ScrapeError, match=message):
+    with pytest.raises(PodReadError, match=message):
         parse_metrics(text)
 
 
@@ -197,7 +197,7 @@ def test_parse_refuses_non_finite_values(metric: str, value: str) -> None:
     }
     lines[metric] = value
     text = "".join(f"{name} {number}\n" for name, number in lines.items())
-    with pytest.raises(ScrapeError, match="not finite"):
+    with pytest.raises(PodReadError, match="not finite"):
         parse_metrics(text)
 
 
