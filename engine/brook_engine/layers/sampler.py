@@ -35,12 +35,16 @@ def sample(
         broken |= torch.isneginf(logits).all(-1)
         for i in broken.nonzero().flatten().tolist():
             errors[i] = "the model's logits for this sequence are not finite (NaN or inf)"
-    for i, p in enumerate(params):
-        if not p.is_greedy and errors[i] is None:
-            try:
-                tokens[i] = _sample_one(logits[i], p, generators[i])
-            except (SamplingFailed, RuntimeError) as exc:
-                errors[i] = f"sampling failed: {exc}"
+    drawn = [i for i, p in enumerate(params) if not p.is_greedy and errors[i] is None]
+    if drawn:
+        outcomes = _draw_each(
+            [logits[i] for i in drawn], [params[i] for i in drawn], [generators[i] for i in drawn]
+        )
+        for i, outcome in zip(drawn, outcomes, strict=True):
+            if isinstance(outcome, str):
+                errors[i] = f"sampling failed: {outcome}"
+            else:
+                tokens[i] = outcome
     logprobs: list[tuple[float, dict[int, float]] | None] = [None] * len(params)
     wanted = [i for i, p in enumerate(params) if p.logprobs is not None and errors[i] is None]
     if wanted:
@@ -55,18 +59,73 @@ def sample(
     return SampleResult(tokens, logprobs, errors if any(errors) else [])
 
 
-def _sample_one(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
-    scaled = logits / p.temperature
-    if p.top_k and p.top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, p.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+def _draw_each(
+    rows: list[torch.Tensor], params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> list[int | str]:
+    """A token (or why none) for each row: all at once, and one at a time only where the
+    batch raised, so one row's failure is never another's."""
+    try:
+        return draw(torch.stack(rows), params, generators)
+    except (SamplingFailed, RuntimeError):
+        outcomes: list[int | str] = []
+        for row, p, generator in zip(rows, params, generators, strict=True):
+            try:
+                outcomes += draw(row.unsqueeze(0), [p], [generator])
+            except (SamplingFailed, RuntimeError) as exc:
+                outcomes.append(str(exc))
+        return outcomes
+
+
+def draw(
+    logits: torch.Tensor,  # [rows, vocab]
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> list[int | str]:
+    """One token per row from softmax(logits / temperature), cut to its top-k and top-p, by
+    inverting the distribution's cumulative sum at one uniform number drawn from the row's
+    generator: a row's tokens depend on its logits and its own generator only, and a draw
+    costs one random number, not one per vocabulary entry (as ``torch.multinomial`` does).
+    Every step is one batched operation over the rows. A row whose probabilities are not a
+    distribution gets the reason instead."""
+    vocab = logits.shape[-1]
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+    scaled = logits.float() / temperature.unsqueeze(1)
+    ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    order = None  # where the rows are sorted (candidates), the vocabulary entry of each
+    if ks and all(ks):
+        # Every row is cut to its top k: only the candidates matter, and topk sorts them.
+        scaled, order = torch.topk(scaled, max(ks), dim=-1)
+        beyond = torch.arange(max(ks)).unsqueeze(0) >= torch.tensor(ks).unsqueeze(1)
+        scaled.masked_fill_(beyond, float("-inf"))
+    elif any(ks):
+        top = torch.topk(scaled, max(ks), dim=-1).values
+        kth = top.gather(1, torch.tensor([max(k - 1, 0) for k in ks]).unsqueeze(1))
+        kth[torch.tensor([k == 0 for k in ks])] = float("-inf")  # rows without top-k
+        scaled.masked_fill_(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
-    if p.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
+    if any(p.top_p < 1.0 for p in params):
+        if order is None:
+            probs, order = probs.sort(dim=-1, descending=True)
+        cut = [p.top_p if p.top_p < 1.0 else float("inf") for p in params]
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
-        raise SamplingFailed(f"temperature {p.temperature} leaves no distribution to draw from")
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+        drop = probs.cumsum(-1) - probs >= torch.tensor(cut).unsqueeze(1)
+        probs = probs.masked_fill(drop, 0.0)
+    cdf = probs.cumsum(-1, dtype=torch.float64)
+    total = cdf[:, -1]
+    usable = (torch.isfinite(total) & (total > 0)).tolist()  # a NaN or inf reaches the total
+    uniform = torch.cat(
+        [torch.rand(1, dtype=torch.float64, generator=generator) for generator in generators]
+    )
+    # the first entry whose cumulative mass passes u·total: never a zero-probability entry
+    picks = torch.searchsorted(cdf, (uniform * total).unsqueeze(1), right=True).squeeze(1)
+    outcomes: list[int | str] = []
+    for row, pick in enumerate(picks.tolist()):
+        if not usable[row]:
+            outcomes.append(
+                f"temperature {params[row].temperature} leaves no distribution to draw from"
+            )
+            continue
+        if pick >= probs.shape[-1] or float(probs[row, pick]) == 0.0:  # u·total rounded up
+            pick = int(probs[row].nonzero()[-1])
+        outcomes.append(pick if order is None else int(order[row, pick]))
+    return outcomes

@@ -59,14 +59,14 @@ def test_the_sampler_fails_only_the_rows_it_cannot_sample() -> None:
 
 
 def test_a_request_that_fails_ends_alone(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = sampler._sample_one
+    real = sampler.draw
 
-    def failing(logits: torch.Tensor, p: SamplingParams, generator: Any) -> int:
-        if p.seed == 666:
+    def failing(logits: torch.Tensor, params: list[SamplingParams], generators: Any) -> Any:
+        if any(p.seed == 666 for p in params):  # the batch fails, then that row alone
             raise RuntimeError("probability tensor contains either inf, nan or element < 0")
-        return real(logits, p, generator)
+        return real(logits, params, generators)
 
-    monkeypatch.setattr(sampler, "_sample_one", failing)
+    monkeypatch.setattr(sampler, "draw", failing)
     bad = SamplingParams(max_tokens=20, temperature=1.0, seed=666, ignore_eos=True)
     good = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     expected = llm.generate([[8, 9]], good, use_tqdm=False)[0].outputs[0].token_ids
