@@ -38,7 +38,7 @@ def sample(
     drawn = [i for i, p in enumerate(params) if not p.is_greedy and errors[i] is None]
     if drawn:
         outcomes = _draw_each(
-            [logits[i] for i in drawn], [params[i] for i in drawn], [generators[i] for i in drawn]
+            logits[drawn], [params[i] for i in drawn], [generators[i] for i in drawn]
         )
         for i, outcome in zip(drawn, outcomes, strict=True):
             if isinstance(outcome, str):
@@ -60,17 +60,21 @@ def sample(
 
 
 def _draw_each(
-    rows: list[torch.Tensor], params: list[SamplingParams], generators: list[torch.Generator | None]
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> list[int | str]:
     """A token (or why none) for each row: all at once, and one at a time only where the
-    batch raised, so one row's failure is never another's."""
+    batch raised, so one row's failure is never another's. Each row's uniform number is
+    drawn once, first: a retry reuses it, so a generator advances once a token."""
+    device = logits.device
+    exact = _exact(device)
+    uniform = torch.cat([_uniform(generator, exact, device) for generator in generators])
     try:
-        return draw(torch.stack(rows), params, generators)
+        return draw(logits, params, uniform)
     except (SamplingFailed, RuntimeError):
         outcomes: list[int | str] = []
-        for row, p, generator in zip(rows, params, generators, strict=True):
+        for row, p in enumerate(params):
             try:
-                outcomes += draw(row.unsqueeze(0), [p], [generator])
+                outcomes += draw(logits[row : row + 1], [p], uniform[row : row + 1])
             except (SamplingFailed, RuntimeError) as exc:
                 outcomes.append(str(exc))
         return outcomes
@@ -79,53 +83,68 @@ def _draw_each(
 def draw(
     logits: torch.Tensor,  # [rows, vocab]
     params: list[SamplingParams],
-    generators: list[torch.Generator | None],
+    uniform: torch.Tensor,  # [rows], in [0, 1)
 ) -> list[int | str]:
-    """One token per row from softmax(logits / temperature), cut to its top-k and top-p, by
-    inverting the distribution's cumulative sum at one uniform number drawn from the row's
-    generator: a row's tokens depend on its logits and its own generator only, and a draw
-    costs one random number, not one per vocabulary entry (as ``torch.multinomial`` does).
-    Every step is one batched operation over the rows. A row whose probabilities are not a
-    distribution gets the reason instead."""
-    vocab = logits.shape[-1]
-    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-    scaled = logits.float() / temperature.unsqueeze(1)
+    """One token per row from softmax(logits / temperature), cut to its top-k (ties with
+    the k-th kept) and top-p, by inverting the distribution's cumulative sum, in vocabulary
+    order, at the row's uniform number. So a row's token depends on its logits and its
+    number only, never on the other rows; and a draw costs one random number, not one per
+    vocabulary entry (as ``torch.multinomial`` does). Every step is one batched operation
+    over the rows. A row whose probabilities are not a distribution gets the reason."""
+    vocab, device = logits.shape[-1], logits.device
+
+    def column(values: list[float] | list[int] | list[bool], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)
+
+    scaled = logits.float() / column([p.temperature for p in params], torch.float32)
     ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
-    order = None  # where the rows are sorted (candidates), the vocabulary entry of each
-    if ks and all(ks):
-        # Every row is cut to its top k: only the candidates matter, and topk sorts them.
-        scaled, order = torch.topk(scaled, max(ks), dim=-1)
-        beyond = torch.arange(max(ks)).unsqueeze(0) >= torch.tensor(ks).unsqueeze(1)
-        scaled.masked_fill_(beyond, float("-inf"))
-    elif any(ks):
+    if any(ks):
         top = torch.topk(scaled, max(ks), dim=-1).values
-        kth = top.gather(1, torch.tensor([max(k - 1, 0) for k in ks]).unsqueeze(1))
-        kth[torch.tensor([k == 0 for k in ks])] = float("-inf")  # rows without top-k
+        kth = top.gather(1, column([max(k - 1, 0) for k in ks], torch.long))
+        kth.masked_fill_(column([k == 0 for k in ks], torch.bool), float("-inf"))  # no top-k
         scaled.masked_fill_(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
     if any(p.top_p < 1.0 for p in params):
-        if order is None:
-            probs, order = probs.sort(dim=-1, descending=True)
-        cut = [p.top_p if p.top_p < 1.0 else float("inf") for p in params]
+        # Only the candidates need sorting: every row's, ties included, where all have top-k.
+        width = int((scaled > float("-inf")).sum(-1).max()) if all(ks) else vocab
+        if width < vocab:
+            sorted_probs, order = torch.topk(probs, width, dim=-1)
+        else:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+        cut = column([p.top_p if p.top_p < 1.0 else float("inf") for p in params], probs.dtype)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop = probs.cumsum(-1) - probs >= torch.tensor(cut).unsqueeze(1)
-        probs = probs.masked_fill(drop, 0.0)
-    cdf = probs.cumsum(-1, dtype=torch.float64)
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= cut
+        dropped = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, order, drop)
+        probs = probs.masked_fill(dropped, 0.0)
+    cdf = probs.cumsum(-1, dtype=_exact(device))
     total = cdf[:, -1]
     usable = (torch.isfinite(total) & (total > 0)).tolist()  # a NaN or inf reaches the total
-    uniform = torch.cat(
-        [torch.rand(1, dtype=torch.float64, generator=generator) for generator in generators]
-    )
     # the first entry whose cumulative mass passes u·total: never a zero-probability entry
-    picks = torch.searchsorted(cdf, (uniform * total).unsqueeze(1), right=True).squeeze(1)
+    target = (uniform.to(cdf.dtype) * total).unsqueeze(1)
+    picks = torch.searchsorted(cdf, target, right=True).clamp_(max=vocab - 1)
+    # u·total rounded up to the total lands past the last entry with mass: take that entry
+    landed = probs.gather(1, picks).squeeze(1) > 0
     outcomes: list[int | str] = []
-    for row, pick in enumerate(picks.tolist()):
-        if not usable[row]:
+    for row, (pick, ok, fine) in enumerate(
+        zip(picks.squeeze(1).tolist(), landed.tolist(), usable, strict=True)
+    ):
+        if not fine:
             outcomes.append(
                 f"temperature {params[row].temperature} leaves no distribution to draw from"
             )
-            continue
-        if pick >= probs.shape[-1] or float(probs[row, pick]) == 0.0:  # u·total rounded up
-            pick = int(probs[row].nonzero()[-1])
-        outcomes.append(pick if order is None else int(order[row, pick]))
+        else:
+            outcomes.append(pick if ok else int(probs[row].nonzero()[-1]))
     return outcomes
+
+
+def _exact(device: torch.device) -> torch.dtype:
+    """The cumulative sum's type: float64 where it is cheap; accelerators may lack it."""
+    return torch.float64 if device.type == "cpu" else torch.float32
+
+
+def _uniform(
+    generator: torch.Generator | None, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """One number in [0, 1) from ``generator`` (the default one when None), on ``device``."""
+    where = generator.device if generator is not None else device
+    return torch.rand(1, dtype=dtype, generator=generator, device=where).to(device)

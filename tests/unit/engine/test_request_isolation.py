@@ -61,10 +61,10 @@ def test_the_sampler_fails_only_the_rows_it_cannot_sample() -> None:
 def test_a_request_that_fails_ends_alone(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     real = sampler.draw
 
-    def failing(logits: torch.Tensor, params: list[SamplingParams], generators: Any) -> Any:
+    def failing(logits: torch.Tensor, params: list[SamplingParams], uniform: Any) -> Any:
         if any(p.seed == 666 for p in params):  # the batch fails, then that row alone
             raise RuntimeError("probability tensor contains either inf, nan or element < 0")
-        return real(logits, params, generators)
+        return real(logits, params, uniform)
 
     monkeypatch.setattr(sampler, "draw", failing)
     bad = SamplingParams(max_tokens=20, temperature=1.0, seed=666, ignore_eos=True)
