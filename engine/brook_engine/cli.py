@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 from collections.abc import Sequence
@@ -290,12 +291,14 @@ def _cmd_fetch(args: argparse.Namespace) -> int:
     output, exclude = Path(args.output), args.exclude or ()
     lister = hub_lister(repo, args.revision, file_patterns(args.include), exclude)
     progress = Progress(f"hf://{repo}", output, lister)
+    serving = (
+        contextlib.nullcontext()
+        if args.progress_port is None
+        else ProgressServer(progress, args.progress_port)
+    )
     try:
-        if args.progress_port is None:
+        with serving:
             result = fetch_hub(repo, output, args.revision, args.include, exclude, progress)
-        else:
-            with ProgressServer(progress, args.progress_port):
-                result = fetch_hub(repo, output, args.revision, args.include, exclude, progress)
     except FetchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

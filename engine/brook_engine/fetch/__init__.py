@@ -2,10 +2,9 @@
 pod's init container runs, with its progress served for the operator's status."""
 
 from brook_engine.fetch.hub import Fetched, FetchError, fetch_hub, file_patterns
-from brook_engine.fetch.progress import PROGRESS_PATH, Progress, ProgressServer, hub_lister
+from brook_engine.fetch.progress import Progress, ProgressServer, hub_lister
 
 __all__ = [
-    "PROGRESS_PATH",
     "FetchError",
     "Fetched",
     "Progress",

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from brook_engine.config import MODEL_FILES
-from brook_engine.fetch.progress import Progress
+from brook_engine.fetch.progress import CLIENT_FOLDER, Progress
 
 #: Written last, naming what is there; its presence means the folder is complete.
 MARKER = ".brook-fetched.json"
@@ -152,13 +152,13 @@ def _drop_partials(folder: Path) -> None:
     """Delete the partial files of downloads cut short (a pod killed mid-download): the Hub
     client names them per process, so none can be resumed, and they would fill a shared
     claim and count as progress. Only under the lock: no other fetch is writing here."""
-    for partial in (folder / ".cache" / "huggingface" / "download").rglob("*.incomplete"):
+    for partial in (folder / CLIENT_FOLDER).rglob("*.incomplete"):
         partial.unlink(missing_ok=True)
 
 
 def _commit(folder: Path) -> str | None:
     """The commit the Hub client recorded for the files it wrote (its local-dir metadata)."""
-    for meta in sorted((folder / ".cache" / "huggingface" / "download").rglob("*.metadata")):
+    for meta in sorted((folder / CLIENT_FOLDER).rglob("*.metadata")):
         first = meta.read_text(encoding="utf-8", errors="replace").splitlines()[:1]
         if first and len(first[0]) == 40:
             return first[0]

@@ -27,8 +27,9 @@ from typing import Literal
 
 from brook_engine.config import DOWNLOAD_PROGRESS_PATH
 
-#: The path the progress is served at.
-PROGRESS_PATH = DOWNLOAD_PROGRESS_PATH
+#: Where the Hub client keeps, inside the folder it downloads into, its metadata and the
+#: partial files of the downloads under way (``*.incomplete``).
+CLIENT_FOLDER = Path(".cache", "huggingface", "download")
 #: How often the bytes on disk are counted, and over how long the rate is taken.
 SAMPLE_SECONDS = 1.0
 RATE_WINDOW_SECONDS = 30.0
@@ -81,8 +82,7 @@ class Progress:
                 continue
             done += min(present, size)
             whole += present >= size
-        partial = self.folder / ".cache" / "huggingface" / "download"
-        for dirpath, _, names in os.walk(partial):
+        for dirpath, _, names in os.walk(self.folder / CLIENT_FOLDER):
             for name in names:
                 if name.endswith(".incomplete"):
                     try:
@@ -136,7 +136,7 @@ def _handler(progress: Progress) -> type[BaseHTTPRequestHandler]:
         timeout = 10  # an idle connection does not hold a thread
 
         def do_GET(self) -> None:
-            if self.path.split("?", 1)[0] != PROGRESS_PATH:
+            if self.path.split("?", 1)[0] != DOWNLOAD_PROGRESS_PATH:
                 self.send_error(404)
                 return
             body = json.dumps(progress.latest).encode()

@@ -28,7 +28,7 @@ class CountingLister:
 
 
 def _partial(folder: Path, name: str, size: int) -> Path:
-    path = folder / ".cache" / "huggingface" / "download" / name
+    path = folder / progress.CLIENT_FOLDER / name
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(b"x" * size)
     return path
