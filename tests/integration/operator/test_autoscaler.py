@@ -241,6 +241,19 @@ def _one_replica_reporting(
     return server
 
 
+def _scaled_under(
+    load: Load, api: KubeApi, replicas: int, what: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Wait, with ``load`` running, for the autoscaler to reach ``replicas``; then stop the
+    load and return the resource and its last decision."""
+    try:
+        _wait(lambda: _replicas(api) == replicas, what)
+    finally:
+        load.stop()
+    llmi = _llmi(api)
+    return llmi, llmi["status"]["autoscaling"]["lastDecisions"][-1]
+
+
 def test_load_scales_out_stale_metrics_hold_idleness_scales_in(
     kube_api: KubeApi, fleet: Fleet, operator: OperatorProcess
 ) -> None:
@@ -251,12 +264,7 @@ def test_load_scales_out_stale_metrics_hold_idleness_scales_in(
     # Load: 6 clients × (100 prompt + 200 output tokens) on 32 × 16 KV slots → KV full and a
     # queue. The autoscaler scales out (to maxReplicas, 2).
     load = Load(server, concurrency=6, prompt=100, tokens=200)
-    try:
-        _wait(lambda: _replicas(api) == 2, "a scale-out under load")
-    finally:
-        load.stop()
-    llmi = _llmi(api)
-    decision = llmi["status"]["autoscaling"]["lastDecisions"][-1]
+    llmi, decision = _scaled_under(load, api, 2, "a scale-out under load")
     assert (decision["fromReplicas"], decision["toReplicas"]) == (1, 2), decision
     assert "KV" in decision["reason"] or "queue" in decision["reason"], decision
     assert llmi["status"]["desiredReplicas"] == 2
@@ -330,12 +338,7 @@ def test_a_surge_of_arrivals_scales_out_from_the_engines_counters(
     server = _one_replica_reporting(api, fleet, address, _manifest(surge_policy))
     assert _replicas(api) == 1  # idle: nothing arrives
     load = Load(server, concurrency=2, prompt=20, tokens=40)
-    try:
-        _wait(lambda: _replicas(api) == 3, "a scale-out on the arrivals")
-    finally:
-        load.stop()
-    llmi = _llmi(api)
-    decision = llmi["status"]["autoscaling"]["lastDecisions"][-1]
+    llmi, decision = _scaled_under(load, api, 3, "a scale-out on the arrivals")
     assert (decision["fromReplicas"], decision["toReplicas"]) == (1, 3), decision
     assert "arrivals" in decision["reason"], decision
     signals = llmi["status"]["autoscaling"]["signals"]
