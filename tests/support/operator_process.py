@@ -31,6 +31,7 @@ class OperatorProcess:
         namespaces: list[str] | None = None,
         engine_image: str = "registry.example/brook-engine:test",
         extra_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
         timeout: float = 60.0,
     ) -> OperatorProcess:
         metrics_port, health_port = free_port(), free_port()
@@ -49,9 +50,14 @@ class OperatorProcess:
             f"--health-port={health_port}",
             *extra_args,
         ]
-        env = {**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1"}
+        environment = {
+            **os.environ,
+            **(env or {}),
+            "KUBECONFIG": str(kubeconfig),
+            "PYTHONUNBUFFERED": "1",
+        }
         proc = subprocess.Popen(
-            command, stdout=log_path.open("ab"), stderr=subprocess.STDOUT, env=env
+            command, stdout=log_path.open("ab"), stderr=subprocess.STDOUT, env=environment
         )
         operator = cls(
             proc,

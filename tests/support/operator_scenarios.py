@@ -9,10 +9,13 @@ import json
 import subprocess
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import yaml
+
+from .kube_api import KubeApi
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "crds" / "examples"
@@ -36,6 +39,36 @@ class Cluster(Protocol):
     def mark_workload_ready(self, kind: str, name: str, replicas: int) -> None:
         """Make the workload report ``replicas`` ready (a no-op where controllers run)."""
         ...
+
+
+@dataclass
+class EmulatedCluster:
+    """A ``Cluster`` on the emulated kube-apiserver, which runs no controllers: the tests play
+    their part."""
+
+    api: KubeApi
+    namespace: str
+    timeout: float = 30.0
+    runs_controllers: bool = False
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> Any:
+        return self.api.kubectl(*args, input=input, check=check)
+
+    def mark_workload_ready(self, kind: str, name: str, replicas: int) -> None:
+        workload = self.api.get(kind + "s", name, self.namespace)
+        assert workload is not None
+        self.api.set_status(
+            kind + "s",
+            name,
+            {
+                "observedGeneration": workload["metadata"]["generation"],
+                "replicas": replicas,
+                "readyReplicas": replicas,
+                "updatedReplicas": replicas,
+                "availableReplicas": replicas,
+            },
+            self.namespace,
+        )
 
 
 def manifest(example: str, namespace: str, **spec: Any) -> dict[str, Any]:

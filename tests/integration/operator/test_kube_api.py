@@ -790,8 +790,8 @@ def test_kopf_operator_end_to_end(
 ) -> None:
     """A kopf operator (run by KopfRunner) discovers the CRD, watches, adds its finalizer
     with a JSON patch that tests the resourceVersion, patches the status subresource, posts
-    an Event, and releases the object on deletion. Not emulated: kopf peering (run
-    ``--standalone``) and anything a real cluster would do to the children."""
+    an Event, and releases the object on deletion. Run ``--standalone`` here; peering runs in
+    test_peering.py. Not emulated: anything a real cluster would do to the children."""
     from kopf.testing import KopfRunner
 
     operator = tmp_path / "operator.py"

@@ -16,7 +16,6 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,37 +27,11 @@ from support import hub
 from support import operator_scenarios as scenarios
 from support.kube_api import KubeApi, leaderworkerset_crd, minimal_crd
 from support.operator_process import OperatorProcess
+from support.operator_scenarios import EmulatedCluster
 from support.ports import free_port
 from support.rbac_usage import USED, record_rbac
 
 NAMESPACE = "ai"
-
-
-@dataclass
-class EmulatedCluster:
-    api: KubeApi
-    namespace: str = NAMESPACE
-    timeout: float = 30.0
-    runs_controllers: bool = False
-
-    def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> Any:
-        return self.api.kubectl(*args, input=input, check=check)
-
-    def mark_workload_ready(self, kind: str, name: str, replicas: int) -> None:
-        workload = self.api.get(kind + "s", name, self.namespace)
-        assert workload is not None
-        self.api.set_status(
-            kind + "s",
-            name,
-            {
-                "observedGeneration": workload["metadata"]["generation"],
-                "replicas": replicas,
-                "readyReplicas": replicas,
-                "updatedReplicas": replicas,
-                "availableReplicas": replicas,
-            },
-            self.namespace,
-        )
 
 
 @pytest.fixture
@@ -70,7 +43,7 @@ def cluster(kube_api: KubeApi, brook_crd: dict[str, Any]) -> EmulatedCluster:
         minimal_crd("inference.networking.k8s.io", "v1", "inferencepools", "InferencePool")
     )
     kube_api.create(minimal_crd("gateway.networking.k8s.io", "v1", "httproutes", "HTTPRoute"))
-    return EmulatedCluster(kube_api)
+    return EmulatedCluster(kube_api, NAMESPACE)
 
 
 @contextmanager
@@ -171,7 +144,7 @@ def test_missing_leader_worker_set_is_degraded(
     kube_api: KubeApi, brook_crd: Any, tmp_path: Path
 ) -> None:
     kube_api.create_namespace(NAMESPACE)
-    cluster = EmulatedCluster(kube_api)  # no LeaderWorkerSet CRD here
+    cluster = EmulatedCluster(kube_api, NAMESPACE)  # no LeaderWorkerSet CRD here
     with _resyncing_operator(kube_api, tmp_path) as process:
         scenarios.apply(cluster, scenarios.manifest("qwen-110b-npu-tp4-pp2", NAMESPACE))
         llmi = scenarios.wait_status(
@@ -278,7 +251,7 @@ def test_status_says_why_replicas_are_not_ready(
     pod no node can take, each in the Ready condition with its reason; kstatus's Stalled
     says a person is needed, and clears when the pods recover."""
     kube_api.create_namespace(NAMESPACE)
-    cluster = EmulatedCluster(kube_api)
+    cluster = EmulatedCluster(kube_api, NAMESPACE)
     with _resyncing_operator(kube_api, tmp_path):
         scenarios.apply(cluster, scenarios.manifest("tiny-cpu", NAMESPACE, replicas=3))
         scenarios.wait_status(
@@ -359,7 +332,7 @@ def test_status_shows_the_model_download_a_pod_serves(
     (served / "model-00002-of-00002.safetensors").write_bytes(b"\0" * (30 << 20))
     total = sum(p.stat().st_size for p in served.iterdir())
     kube_api.create_namespace(NAMESPACE)
-    cluster = EmulatedCluster(kube_api)
+    cluster = EmulatedCluster(kube_api, NAMESPACE)
     manifest = scenarios.manifest("tiny-cpu", NAMESPACE, replicas=1)
     port = free_port()
     manifest["spec"]["server"] = {**manifest["spec"].get("server", {}), "port": port}
@@ -427,7 +400,7 @@ def test_router_renders_the_inference_pool_and_route_once_their_apis_exist(
     the HTTPRoute (owned by the resource); dropping the gateways, then the router, prunes
     them. The CRDs here are stand-ins with an open schema (``minimal_crd``)."""
     kube_api.create_namespace(NAMESPACE)
-    cluster = EmulatedCluster(kube_api)
+    cluster = EmulatedCluster(kube_api, NAMESPACE)
     router = {
         "endpointPicker": {"name": "tiny-epp"},
         "gateways": [{"name": "inference-gateway", "namespace": "gateway-system"}],
