@@ -1,7 +1,11 @@
 # The engine: brook[engine] with the CPU build of torch (pass EXTRAS=npu and an Ascend
 # base image for NPUs). It runs as user 1000 with a read-only root filesystem; HOME, /tmp and
 # /dev/shm are emptyDirs in the pod.
-ARG BASE=python:3.11-slim
+# The base is pinned by digest: a tag moves, so the same Dockerfile would build a different
+# image next week. This digest is the multi-platform index of python:3.11-slim (Python 3.11.15
+# on Debian trixie, built 2026-08-05) as docker-library/repo-info records it. To move it:
+# `docker buildx imagetools inspect python:3.11-slim` prints the current one.
+ARG BASE=python:3.11-slim@sha256:90744cff8f32887f075c47d747a173ff333e9e98801667af93c357fa9f5e28ff
 FROM ${BASE} AS build
 ARG EXTRAS=engine
 WORKDIR /src
