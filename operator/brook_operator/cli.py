@@ -16,6 +16,8 @@ from brook_operator.crd.generate import crd_yaml
 from brook_operator.crd.reference import reference_markdown
 from brook_operator.crd.validate import validate_object
 from brook_operator.manifests import Manifest, ManifestError, load_manifests
+from brook_operator.model_configs import DEFAULT_ENDPOINT as DEFAULT_HUB_ENDPOINT
+from brook_operator.model_configs import ModelConfigs
 from brook_operator.render import OperatorSettings, render_children
 
 
@@ -190,6 +192,11 @@ def _cmd_deploy(args: argparse.Namespace) -> int:
         return deploy.USAGE
 
 
+def _model_configs(endpoint: str) -> ModelConfigs | None:
+    """Where the operator reads hf:// models' config.json to plan them (``off``: nowhere)."""
+    return None if endpoint == "off" else ModelConfigs(endpoint)
+
+
 def _cmd_operator(args: argparse.Namespace) -> int:
     import logging
 
@@ -215,7 +222,7 @@ def _cmd_operator(args: argparse.Namespace) -> int:
     start_http_server(args.metrics_port, addr=args.metrics_address, registry=registry)
     kube = KubeClient.from_environment(args.kubeconfig, timeout_seconds=args.api_timeout_seconds)
     memo = kopf.Memo(
-        reconciler=Reconciler(kube, settings),
+        reconciler=Reconciler(kube, settings, _model_configs(args.hub_endpoint)),
         metrics=OperatorMetrics(registry),
         namespaces=None if args.all_namespaces else args.namespace,
         resync_seconds=args.resync_seconds,
@@ -477,6 +484,15 @@ def build_parser() -> argparse.ArgumentParser:
     operator.add_argument("--metrics-address", default="0.0.0.0", help="address of /metrics")
     operator.add_argument("--health-port", type=int, default=8080, help="liveness at /healthz")
     operator.add_argument("--health-address", default="0.0.0.0", help="address of /healthz")
+    operator.add_argument(
+        "--hub-endpoint",
+        default=os.environ.get("HF_ENDPOINT") or DEFAULT_HUB_ENDPOINT,
+        metavar="URL|off",
+        help="where hf:// models' config.json is read, to plan each replica's memory before "
+        "a pod is scheduled (a plan that cannot fit is SpecValid=False; a pod without a "
+        "memory request gets the plan's); default HF_ENDPOINT or the Hugging Face Hub; off: "
+        "the engine checks the plan at start",
+    )
     operator.add_argument(
         "--peering",
         metavar="NAME",

@@ -32,8 +32,11 @@ class OperatorProcess:
         engine_image: str = "registry.example/brook-engine:test",
         extra_args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
+        hub_endpoint: str = "off",
         timeout: float = 60.0,
     ) -> OperatorProcess:
+        """``hub_endpoint``: where hf:// models' config.json is read (off: tests reach no
+        Hub but a stand-in they start)."""
         metrics_port, health_port = free_port(), free_port()
         scope = [f"--namespace={n}" for n in namespaces] if namespaces else ["--all-namespaces"]
         command = [
@@ -48,6 +51,7 @@ class OperatorProcess:
             f"--metrics-port={metrics_port}",
             "--health-address=127.0.0.1",
             f"--health-port={health_port}",
+            f"--hub-endpoint={hub_endpoint}",
             *extra_args,
         ]
         environment = {

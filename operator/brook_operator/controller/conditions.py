@@ -119,7 +119,9 @@ OWN_FIELDS = (
 )
 
 
-def invalid_status(body: dict[str, Any], message: str, now: str | None = None) -> dict[str, Any]:
+def invalid_status(
+    body: dict[str, Any], message: str, now: str | None = None, reason: str = "InvalidSpec"
+) -> dict[str, Any]:
     """Status of a resource whose spec the operator cannot run: SpecValid and Ready False,
     the rest of this writer's fields as they were (the children are left as they were)."""
     now = now or now_rfc3339()
@@ -127,13 +129,11 @@ def invalid_status(body: dict[str, Any], message: str, now: str | None = None) -
     previous = conditions_by_type(status)
     generation = (body.get("metadata") or {}).get("generation")
     conditions = [
-        make_condition(previous, "SpecValid", False, "InvalidSpec", message, generation, now),
+        make_condition(previous, "SpecValid", False, reason, message, generation, now),
+        make_condition(previous, "Ready", False, reason, "the spec cannot run", generation, now),
+        make_condition(previous, "Stalled", True, reason, message, generation, now),
         make_condition(
-            previous, "Ready", False, "InvalidSpec", "the spec cannot run", generation, now
-        ),
-        make_condition(previous, "Stalled", True, "InvalidSpec", message, generation, now),
-        make_condition(
-            previous, "Reconciling", False, "InvalidSpec", "the spec cannot run", generation, now
+            previous, "Reconciling", False, reason, "the spec cannot run", generation, now
         ),
     ]
     keep = [previous[t] for t in ("Degraded", "Progressing") if t in previous]

@@ -22,6 +22,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from brook_engine.config import ConfigError
 from brook_operator.api import API_VERSION, KIND, LLMInference, topology
 from brook_operator.controller.conditions import (
     OWN_CONDITIONS,
@@ -35,6 +36,8 @@ from brook_operator.controller.conditions import (
 from brook_operator.controller.downloads import PodDownload, read_downloads
 from brook_operator.controller.pod_reasons import PodProblem, pod_problems
 from brook_operator.kube import STATUS_MANAGER, KubeClient, KubeError
+from brook_operator.memory_plan import manifest_plan, with_memory_request
+from brook_operator.model_configs import ModelConfigs
 from brook_operator.render import (
     OPTIONAL_KINDS,
     PRUNABLE_KINDS,
@@ -49,6 +52,8 @@ from brook_operator.render.workload import LWS_API_VERSION
 
 log = logging.getLogger(__name__)
 
+#: SpecValid's reason when the spec is valid but its memory plan cannot run.
+PLAN_REFUSED = "PlanDoesNotFit"
 #: Kinds whose ``spec.replicas`` another manager may own (an HPA scales them).
 _WORKLOADS = ("Deployment", "LeaderWorkerSet")
 #: Degraded reasons a status refresh keeps (only a reconciliation finds them resolved).
@@ -96,6 +101,8 @@ class _Refused(Exception):
 class Reconciler:
     kube: KubeClient
     settings: OperatorSettings = field(default_factory=OperatorSettings)
+    model_configs: ModelConfigs | None = None
+    """Where hf:// models' config.json come from, to plan their memory (None: no plan)."""
 
     def reconcile(self, body: dict[str, Any], *, autoscaled: int | None = None) -> ReconcileResult:
         """Apply the children and write status. ``autoscaled``: the replica count the
@@ -109,6 +116,14 @@ class Reconciler:
             message = spec_error(exc)
             log.warning("%s/%s: invalid spec, nothing applied: %s", namespace, name, message)
             status = invalid_status(body, message)
+            self._write_status(namespace, name, status)
+            return ReconcileResult(status=status)
+        llmi, refusal = self.planned(llmi)
+        if refusal is not None:
+            log.warning(
+                "%s/%s: the memory plan does not fit, nothing applied: %s", namespace, name, refusal
+            )
+            status = invalid_status(body, refusal, reason=PLAN_REFUSED)
             self._write_status(namespace, name, status)
             return ReconcileResult(status=status)
         result = ReconcileResult(status={})
@@ -169,6 +184,8 @@ class Reconciler:
             llmi = parse(body)
         except ValidationError:
             return None
+        if self.planned(llmi)[1] is not None:
+            return None
         lws_missing = topology(llmi.spec).workload == "LeaderWorkerSet" and not (
             self.kube.has_api(LWS_API_VERSION, "LeaderWorkerSet")
         )
@@ -204,6 +221,23 @@ class Reconciler:
         return status
 
     # -- steps ---------------------------------------------------------------------------
+
+    def planned(self, llmi: LLMInference) -> tuple[LLMInference, str | None]:
+        """``llmi`` with the memory request its plan implies (where the spec sets none), and
+        why the plan cannot run (None: it fits, or there is no config.json to plan from)."""
+        if self.model_configs is None:
+            return llmi, None
+        data = self.model_configs.get(llmi.spec.model.uri, llmi.spec.model.revision)
+        if data is None:
+            return llmi, None
+        try:
+            plan = manifest_plan(llmi, data, None)
+        except ConfigError as exc:
+            return llmi, f"memory plan of {llmi.spec.model.uri}: spec.{exc}"
+        except Exception:  # a config.json the plan cannot read: the engine will say why
+            log.exception("%s: no memory plan from its config.json", llmi.metadata.name)
+            return llmi, None
+        return with_memory_request(llmi, plan), None
 
     def read_pods(
         self, llmi: LLMInference

@@ -140,6 +140,74 @@ def test_invalid_spec_gets_spec_valid_false_and_no_children(
     assert "spec.parallel.tensor" in warnings[0]["message"]
 
 
+def test_a_memory_plan_that_cannot_fit_is_refused_before_any_pod(
+    cluster: EmulatedCluster, tmp_path: Path
+) -> None:
+    """The operator reads an hf:// model's config.json from the Hub (a loopback stand-in):
+    a budget that cannot hold the weights is SpecValid=False with the plan's numbers and
+    nothing is applied; once it fits, the pods get the plan's memory request."""
+    repo = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    shutil.copy(
+        scenarios.ROOT / "tests/data/model_configs/SmolLM2-135M-Instruct.json",
+        folder / "config.json",
+    )
+    manifest = scenarios.manifest(
+        "tiny-cpu",
+        NAMESPACE,
+        offload={"policy": "static", "deviceMemoryLimitGb": 0.01},
+        resources={"requests": {"cpu": "2"}},
+    )
+    manifest["spec"]["model"]["uri"] = f"hf://{repo}"
+    with hub.serving(folder, repo) as served:
+        process = OperatorProcess.start(
+            cluster.api.kubeconfig,
+            tmp_path / "operator.log",
+            namespaces=[NAMESPACE],
+            hub_endpoint=served.url,
+        )
+        try:
+            scenarios.apply(cluster, manifest)
+            llmi = scenarios.wait_status(
+                cluster,
+                "tiny-cpu",
+                lambda o: scenarios.condition(o, "SpecValid").get("status") == "False",
+                "SpecValid=False",
+            )
+            spec_valid = scenarios.condition(llmi, "SpecValid")
+            assert spec_valid["reason"] == "PlanDoesNotFit"
+            assert "spec.offload.deviceMemoryLimitGb" in spec_valid["message"]
+            assert "raise it to" in spec_valid["message"]
+            for kind in scenarios.CHILDREN:
+                assert scenarios.get(cluster, kind, "tiny-cpu" + scenarios.CHILDREN[kind]) is None
+
+            manifest["spec"]["offload"]["deviceMemoryLimitGb"] = 4
+            scenarios.apply(cluster, manifest)
+            deployment = scenarios.wait_for(
+                cluster, lambda: scenarios.get(cluster, "deployment", "tiny-cpu"), "the Deployment"
+            )
+            (engine,) = [
+                c
+                for c in deployment["spec"]["template"]["spec"]["containers"]
+                if c["name"] == "engine"
+            ]
+            memory = engine["resources"]["requests"]["memory"]
+            assert memory.endswith("Mi") and 1024 < int(memory[:-2]) < 4096, memory
+            llmi = scenarios.wait_status(
+                cluster,
+                "tiny-cpu",
+                lambda o: scenarios.condition(o, "SpecValid").get("status") == "True",
+                "SpecValid=True",
+            )
+            # one read of the config for both rounds
+            assert served.paths.count(f"GET /{repo}/resolve/main/config.json") == 1
+        finally:
+            assert process.stop() == 0
+            record_rbac(cluster.api)
+        assert "Traceback" not in process.log(), process.log()
+
+
 def test_missing_leader_worker_set_is_degraded(
     kube_api: KubeApi, brook_crd: Any, tmp_path: Path
 ) -> None:

@@ -19,6 +19,7 @@ import yaml
 from brook_engine import __version__
 from brook_operator.api import CRD_NAME
 from brook_operator.cli import build_parser
+from brook_operator.model_configs import DEFAULT_ENDPOINT as DEFAULT_HUB_ENDPOINT
 from brook_operator.rbac import (
     CLUSTER_RULES,
     NAMESPACED_RULES,
@@ -465,10 +466,11 @@ def test_network_policy(custom: list[dict[str, Any]]) -> None:
     assert metrics["from"] == NON_DEFAULT["networkPolicy"]["ingressFrom"]
     assert _ports(health) == {("health", "TCP")}
 
-    api, dns, engine = policy["egress"]
+    api, dns, hub, engine = policy["egress"]
     assert _ports(api) == {(443, "TCP"), (6443, "TCP")}
     assert api["to"] == [{"ipBlock": {"cidr": "10.0.0.1/32"}}]
     assert _ports(dns) == {(53, "UDP"), (53, "TCP")}
+    assert _ports(hub) == {(443, "TCP")} and "to" not in hub  # the Hub's addresses vary
     assert _ports(engine) == {(8000, "TCP")}
     (peer,) = engine["to"]
     assert peer["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "brook-engine"}}
@@ -478,9 +480,28 @@ def test_network_policy(custom: list[dict[str, Any]]) -> None:
 
 def test_network_policy_reaches_engines_everywhere_in_cluster_scope(chart: helm.Chart) -> None:
     objects = _objects(_render(chart, {"networkPolicy": {"enabled": True}}))
-    api, _, engine = _one(objects, "NetworkPolicy")["spec"]["egress"]
+    api, _, _, engine = _one(objects, "NetworkPolicy")["spec"]["egress"]
     assert "to" not in api
     assert engine["to"][0]["namespaceSelector"] == {}
+
+
+def test_hub_endpoint_reaches_the_operator_and_its_policy(
+    chart: helm.Chart, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("HF_ENDPOINT", raising=False)  # the operator's own default
+    default = _objects(_render(chart, {"networkPolicy": {"enabled": True}}))
+    assert build_parser().parse_args(_container(default)["args"]).hub_endpoint == (
+        DEFAULT_HUB_ENDPOINT
+    )
+    mirror = _objects(_render(chart, {"hub": {"endpoint": "https://hf-mirror.example"}}))
+    args = build_parser().parse_args(_container(mirror)["args"])
+    assert args.hub_endpoint == "https://hf-mirror.example"
+    off = _objects(_render(chart, {"hub": {"endpoint": "off"}, "networkPolicy": {"enabled": True}}))
+    assert build_parser().parse_args(_container(off)["args"]).hub_endpoint == "off"
+    rules = _one(off, "NetworkPolicy")["spec"]["egress"]
+    assert [_ports(rule) for rule in rules][2] == {(8000, "TCP")}  # api, dns, engines: no Hub
+    with pytest.raises(helm.HelmValuesError, match="/hub/endpoint"):
+        _render(chart, {"hub": {"endpoint": "hf-mirror.example"}})
 
 
 # -- values: schema, comments, docs ------------------------------------------------------
