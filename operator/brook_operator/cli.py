@@ -17,7 +17,7 @@ from brook_operator.crd.reference import reference_markdown
 from brook_operator.crd.validate import validate_object
 from brook_operator.manifests import Manifest, ManifestError, load_manifests
 from brook_operator.model_configs import DEFAULT_ENDPOINT as DEFAULT_HUB_ENDPOINT
-from brook_operator.model_configs import ModelConfigs
+from brook_operator.model_configs import ModelConfigs, check_endpoint
 from brook_operator.render import OperatorSettings, render_children
 
 
@@ -190,6 +190,13 @@ def _cmd_deploy(args: argparse.Namespace) -> int:
     except KubeError as exc:
         print(f"error: the API server: {exc}", file=sys.stderr)
         return deploy.USAGE
+
+
+def _hub_endpoint(value: str) -> str:
+    try:
+        return check_endpoint(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _model_configs(endpoint: str) -> ModelConfigs | None:
@@ -486,6 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
     operator.add_argument("--health-address", default="0.0.0.0", help="address of /healthz")
     operator.add_argument(
         "--hub-endpoint",
+        type=_hub_endpoint,
         default=os.environ.get("HF_ENDPOINT") or DEFAULT_HUB_ENDPOINT,
         metavar="URL|off",
         help="where hf:// models' config.json is read, to plan each replica's memory before "

@@ -3,9 +3,11 @@
 
 One small GET per model and revision (``{endpoint}/{repo}/resolve/{revision}/config.json``,
 the Hub's file URL), bounded in time and size, through the proxy the environment names, as
-any Hub client goes. Answers are kept: a readable config for an hour (a revision rarely
+any Hub client goes; redirects only within the endpoint's server, and a model URI can only
+name a repository there. Answers are kept: a readable config for an hour (a revision rarely
 changes what ``config.json`` says about shapes), a failure for five minutes, so an
-unreachable Hub costs one short wait per model now and then, never one per reconcile. Other
+unreachable Hub costs one short wait per model now and then, never one per reconcile; a
+config read once stays in use while the Hub cannot be reached. Other
 sources (pvc://, s3://, oci://, file://) and private repositories (the operator holds no
 token) give no config: the plan is then checked by the engine at start, as before."""
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 import urllib.error
@@ -34,10 +37,30 @@ KEEP_SECONDS = 3600.0
 RETRY_SECONDS = 300.0
 
 
+#: A Hub repository id: ``NAME`` or ``ORG/NAME`` of letters, digits, ``_``, ``-`` and ``.``
+#: (as the Hub allows), so a model URI can only ever name a repository on the endpoint.
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+def check_endpoint(value: str) -> str:
+    """``value`` if it is ``off`` or an http(s) URL without credentials (``--hub-endpoint``);
+    ValueError naming the fix otherwise."""
+    if value == "off":
+        return value
+    parts = urllib.parse.urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{value!r} is not an http(s) URL; give the Hub's or a mirror's, or off")
+    if parts.username or parts.password:
+        raise ValueError("the Hub endpoint must not hold credentials (they would reach logs)")
+    return value
+
+
 def config_url(endpoint: str, uri: str, revision: str | None) -> str | None:
-    """The Hub URL of ``uri``'s ``config.json`` (None for sources other than hf://)."""
+    """The Hub URL of ``uri``'s ``config.json`` (None for sources other than hf://, and for
+    a repository id the Hub would not accept)."""
     scheme, repo = split_model_uri(uri)
-    if scheme != "hf":
+    repo = repo.rstrip("/")
+    if scheme != "hf" or not _REPO_ID.fullmatch(repo) or ".." in repo:
         return None
     quoted = urllib.parse.quote(revision or "main", safe="")
     return f"{endpoint.rstrip('/')}/{repo}/resolve/{quoted}/config.json"
@@ -47,13 +70,36 @@ class ConfigUnreadable(Exception):
     """The Hub did not give a config.json (its message says why)."""
 
 
+class _SameServer(urllib.request.HTTPRedirectHandler):
+    """Redirects within the endpoint's own server only (the Hub answers a renamed repository
+    or a cached file with a relative one)."""
+
+    def redirect_request(
+        self,
+        req: urllib.request.Request,
+        fp: Any,
+        code: int,
+        msg: str,
+        headers: Any,
+        newurl: str,
+    ) -> urllib.request.Request | None:
+        old, new = urllib.parse.urlsplit(req.full_url), urllib.parse.urlsplit(newurl)
+        if (old.scheme, old.netloc) != (new.scheme, new.netloc):
+            raise ConfigUnreadable(f"{req.full_url}: redirected to another server ({newurl})")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+_OPENER = urllib.request.build_opener(_SameServer())
+
+
 def read_config(url: str, timeout: float) -> dict[str, Any]:
-    """GET ``url`` (redirects followed, environment proxies used), at most
-    ``MAX_CONFIG_BYTES`` within about ``timeout``; the JSON object it holds."""
+    """GET ``url`` (redirects within its server followed, environment proxies used), at
+    most ``MAX_CONFIG_BYTES``, ``timeout`` per network operation; the JSON object it
+    holds."""
     deadline = time.monotonic() + timeout
     request = urllib.request.Request(url, headers={"Accept": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
+        with _OPENER.open(request, timeout=timeout) as response:
             body = b""
             while chunk := response.read(64 * 1024):
                 body += chunk
@@ -61,9 +107,13 @@ def read_config(url: str, timeout: float) -> dict[str, Any]:
                     raise ConfigUnreadable(f"{url}: larger than {MAX_CONFIG_BYTES} bytes")
                 if time.monotonic() > deadline:
                     raise ConfigUnreadable(f"{url}: not read within {timeout:g} s")
+            if getattr(response, "length", None):  # bytes the server announced and never sent
+                raise ConfigUnreadable(f"{url}: the answer was cut short")
+    except ConfigUnreadable:
+        raise
     except urllib.error.HTTPError as exc:
         raise ConfigUnreadable(f"{url}: HTTP {exc.code}") from None
-    except (OSError, ValueError) as exc:  # URLError, timeouts, resets, a bad URL
+    except Exception as exc:  # URLError, timeouts, resets, protocol errors: never the loop's
         raise ConfigUnreadable(f"{url}: {exc}") from None
     try:
         data = json.loads(body)
@@ -78,6 +128,7 @@ def read_config(url: str, timeout: float) -> dict[str, Any]:
 class _Entry:
     config: dict[str, Any] | None
     until: float
+    failing: bool = False  # the last read failed
 
 
 @dataclass
@@ -102,17 +153,22 @@ class ModelConfigs:
                 return entry.config
         try:
             config: dict[str, Any] | None = read_config(url, self.timeout)
-            until = self.clock() + KEEP_SECONDS
+            until, failing = self.clock() + KEEP_SECONDS, False
         except ConfigUnreadable as exc:
-            if entry is None or entry.config is not None:  # once per failure, not per try
+            # The last config read, if any, stays in use: a Hub that is down for a while
+            # must not change what the resource's pods request (that would roll them).
+            config = entry.config if entry is not None else None
+            until, failing = self.clock() + RETRY_SECONDS, True
+            if entry is None or not entry.failing:  # once per outage, not per try
                 log.warning(
-                    "no memory plan before scheduling for %s: %s (the engine checks it at "
-                    "start; tried again in %.0f s)",
+                    "config.json of %s not read: %s (%s; tried again in %.0f s)",
                     uri,
                     exc,
+                    "the last one read stays in use"
+                    if config is not None
+                    else "no memory plan before scheduling: the engine checks it at start",
                     RETRY_SECONDS,
                 )
-            config, until = None, self.clock() + RETRY_SECONDS
         with self._lock:
-            self._entries[url] = _Entry(config, until)
+            self._entries[url] = _Entry(config, until, failing)
         return config

@@ -150,8 +150,8 @@ class Autoscaler:
             self.forget(key)
             return None
         spec = llmi.spec.autoscaling
-        if spec is None or llmi.spec.suspend:
-            self.forget(key)
+        if spec is None or llmi.spec.suspend or self.reconciler.plan_refusal(llmi) is not None:
+            self.forget(key)  # a plan that cannot run is SpecValid=False: nothing to size
             return None
         workload = self.reconciler.read_workload(llmi)
         if workload is None:  # the reconciler has not created it yet

@@ -23,6 +23,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from brook_engine.config import ConfigError
+from brook_engine.offload.plan import ModelShape
 from brook_operator.api import API_VERSION, KIND, LLMInference, topology
 from brook_operator.controller.conditions import (
     OWN_CONDITIONS,
@@ -36,7 +37,7 @@ from brook_operator.controller.conditions import (
 from brook_operator.controller.downloads import PodDownload, read_downloads
 from brook_operator.controller.pod_reasons import PodProblem, pod_problems
 from brook_operator.kube import STATUS_MANAGER, KubeClient, KubeError
-from brook_operator.memory_plan import manifest_plan, with_memory_request
+from brook_operator.memory_plan import fitting_plan, memory_request, with_memory_request
 from brook_operator.model_configs import ModelConfigs
 from brook_operator.render import (
     OPTIONAL_KINDS,
@@ -47,6 +48,7 @@ from brook_operator.render import (
     with_owner,
 )
 from brook_operator.render.labels import INSTANCE_LABEL, selector_labels
+from brook_operator.render.pod import ENGINE_CONTAINER
 from brook_operator.render.router import router_children
 from brook_operator.render.workload import LWS_API_VERSION
 
@@ -184,7 +186,7 @@ class Reconciler:
             llmi = parse(body)
         except ValidationError:
             return None
-        if self.planned(llmi)[1] is not None:
+        if self.plan_refusal(llmi) is not None:
             return None
         lws_missing = topology(llmi.spec).workload == "LeaderWorkerSet" and not (
             self.kube.has_api(LWS_API_VERSION, "LeaderWorkerSet")
@@ -223,21 +225,68 @@ class Reconciler:
     # -- steps ---------------------------------------------------------------------------
 
     def planned(self, llmi: LLMInference) -> tuple[LLMInference, str | None]:
-        """``llmi`` with the memory request its plan implies (where the spec sets none), and
-        why the plan cannot run (None: it fits, or there is no config.json to plan from)."""
+        """``llmi`` with the memory request its plan implies (where the spec sets no memory
+        request or limit), and why the plan cannot run (None: it fits, or there is no
+        config.json to plan from). Without a plan this round, the request the engine
+        container already has is kept: a Hub that cannot be reached must not roll the pods."""
+        request, refusal = self._plan(llmi)
+        if refusal is not None:
+            return llmi, refusal
+        resources = llmi.spec.resources
+        if "memory" in resources.requests or "memory" in resources.limits:
+            return llmi, None
+        if request is None and self.model_configs is not None:
+            request = self._engine_memory_request(llmi)
+        return with_memory_request(llmi, request), None
+
+    def plan_refusal(self, llmi: LLMInference) -> str | None:
+        """Why ``llmi``'s memory plan cannot run (None: it fits, or nothing to plan from)."""
+        return self._plan(llmi)[1]
+
+    def _plan(self, llmi: LLMInference) -> tuple[str | None, str | None]:
+        """(the plan's memory request of a pod, why the plan cannot run); both None where
+        no config.json can be had."""
         if self.model_configs is None:
-            return llmi, None
-        data = self.model_configs.get(llmi.spec.model.uri, llmi.spec.model.revision)
-        if data is None:
-            return llmi, None
+            return None, None
+        uri = llmi.spec.model.uri
         try:
-            plan = manifest_plan(llmi, data, None)
+            data = self.model_configs.get(uri, llmi.spec.model.revision)
+            if data is None:
+                return None, None
+            ModelShape.from_config(data)
+        except Exception as exc:  # a config.json the plan cannot read: the engine will say why
+            log.warning(
+                "%s: no memory plan from %s's config.json: %s", llmi.metadata.name, uri, exc
+            )
+            return None, None
+        try:
+            plan = fitting_plan(llmi, data)
         except ConfigError as exc:
-            return llmi, f"memory plan of {llmi.spec.model.uri}: spec.{exc}"
-        except Exception:  # a config.json the plan cannot read: the engine will say why
-            log.exception("%s: no memory plan from its config.json", llmi.metadata.name)
-            return llmi, None
-        return with_memory_request(llmi, plan), None
+            return None, f"memory plan of {uri}: spec.{exc}"
+        except Exception:
+            log.exception("%s: no memory plan for %s", llmi.metadata.name, uri)
+            return None, None
+        return memory_request(llmi, plan), None
+
+    def _engine_memory_request(self, llmi: LLMInference) -> str | None:
+        """The memory request of the running workload's engine container (None: none)."""
+        try:
+            workload = self.read_workload(llmi)
+        except KubeError:
+            return None
+        spec = (workload or {}).get("spec") or {}
+        templates = [spec.get("template")] + [
+            (spec.get("leaderWorkerTemplate") or {}).get(part)
+            for part in ("leaderTemplate", "workerTemplate")
+        ]
+        for template in templates:
+            for container in ((template or {}).get("spec") or {}).get("containers") or []:
+                if container.get("name") == ENGINE_CONTAINER:
+                    memory = ((container.get("resources") or {}).get("requests") or {}).get(
+                        "memory"
+                    )
+                    return str(memory) if memory is not None else None
+        return None
 
     def read_pods(
         self, llmi: LLMInference

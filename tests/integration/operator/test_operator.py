@@ -22,6 +22,8 @@ from typing import Any
 import kmock
 import pytest
 
+from brook_operator.api import LLMInference
+from brook_operator.memory_plan import fitting_plan, memory_request
 from brook_operator.rbac import CLUSTER_RULES, NAMESPACED_RULES
 from support import hub
 from support import operator_scenarios as scenarios
@@ -192,8 +194,11 @@ def test_a_memory_plan_that_cannot_fit_is_refused_before_any_pod(
                 for c in deployment["spec"]["template"]["spec"]["containers"]
                 if c["name"] == "engine"
             ]
-            memory = engine["resources"]["requests"]["memory"]
-            assert memory.endswith("Mi") and 1024 < int(memory[:-2]) < 4096, memory
+            config = json.loads((folder / "config.json").read_text())
+            fitting = LLMInference.model_validate(manifest)
+            expected = memory_request(fitting, fitting_plan(fitting, config))
+            assert engine["resources"]["requests"]["memory"] == expected
+            assert 1024 < int(expected.removesuffix("Mi")) < 4096  # SmolLM2 float32 + 1 GiB
             llmi = scenarios.wait_status(
                 cluster,
                 "tiny-cpu",

@@ -105,6 +105,15 @@ def test_two_replicas_elect_one_and_the_other_takes_over(
         entries = _peers(api, peering)
         leader = max(entries, key=lambda identity: entries[identity]["priority"])
         (standby,) = set(operators) - {leader}
+        if standby == "operator-a":
+            # The first acted until it saw the second's higher priority: wait until it has.
+            scenarios.wait_for(
+                cluster,
+                lambda: "Pausing operations in favour of" in operators[standby].log(),
+                "the first replica to stand by",
+            )
+        # (a later replica of lower priority starts paused: kopf acts only once its first
+        # look at the peering object shows no one above it)
 
         # Only the one with the highest priority acts.
         scenarios.apply(cluster, scenarios.manifest("tiny-cpu", NAMESPACE))

@@ -8,9 +8,10 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
+from brook_engine.config import ConfigError
 from brook_engine.offload.plan import GIB
 from brook_operator.api import LLMInference
 from brook_operator.controller import Reconciler
@@ -27,6 +29,7 @@ from brook_operator.model_configs import (
     RETRY_SECONDS,
     ConfigUnreadable,
     ModelConfigs,
+    check_endpoint,
     config_url,
     read_config,
 )
@@ -187,13 +190,166 @@ def test_an_accelerator_pod_requests_its_streamed_weights_host_pool() -> None:
     del manifest["spec"]["resources"]["requests"]["memory"]
     llmi = LLMInference.model_validate(manifest)
     plan = manifest_plan(llmi, json.loads(QWEN_110B.read_text()), None)
-    # four ranks (TP=4) in each of the two pods; each rank's pool holds what it streams
-    most = max(rank.host_bytes for rank in plan.ranks)
-    assert most > 0
-    assert memory_request_bytes(llmi, plan) == 4 * most + PROCESS_BYTES
+    # By hand: each rank streams 13 FFN pieces (test_validate_memory_plan.py) of gate, up
+    # and down, 8,192 x 49,152 / TP 4 each in bf16, all held in its pinned pool; a pod
+    # runs four ranks (TP=4), each its own process.
+    pool = 13 * 3 * 8192 * (49152 // 4) * 2
+    assert pool == 7_851_737_088
+    assert memory_request_bytes(llmi, plan) == 4 * (pool + PROCESS_BYTES)
 
 
 def test_without_a_hub_nothing_is_planned() -> None:
     llmi = _resource(offload={"policy": "static", "deviceMemoryLimitGb": 0.01})
     planned, refusal = Reconciler(kube=None).planned(llmi)  # type: ignore[arg-type]
     assert refusal is None and planned is llmi
+
+
+def test_a_memory_limit_is_left_to_kubernetes(smollm2_hub: hub.Hub) -> None:
+    """With a limit and no request Kubernetes requests the limit; a request above it would
+    stop the pods from being created."""
+    reconciler = Reconciler(kube=None, model_configs=ModelConfigs(smollm2_hub.url))  # type: ignore[arg-type]
+    limited = _resource(resources={"limits": {"memory": "1Gi"}})
+    planned, refusal = reconciler.planned(limited)
+    assert refusal is None and "memory" not in planned.spec.resources.requests
+
+
+def test_the_last_config_stays_in_use_while_the_hub_is_down(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    shutil.copy(SMOLLM2, folder / "config.json")
+    clock = _Clock()
+    with hub.serving(folder, REPO) as served:
+        configs = ModelConfigs(served.url, clock=clock)
+        first = configs.get(f"hf://{REPO}", None)
+        assert first is not None
+    clock.now += 2 * 3600  # kept an hour: read again, and the Hub is gone
+    with caplog.at_level(logging.WARNING):
+        assert configs.get(f"hf://{REPO}", None) == first
+        clock.now += RETRY_SECONDS + 1
+        assert configs.get(f"hf://{REPO}", None) == first
+    (warning,) = [r.getMessage() for r in caplog.records]  # once per outage
+    assert "the last one read stays in use" in warning
+
+
+def test_without_a_plan_the_running_request_is_kept(smollm2_hub: hub.Hub) -> None:
+    """A Hub that cannot be reached (an operator restarted meanwhile) must not roll the
+    pods: the request the engine container has is kept."""
+
+    class Workload:
+        def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any]:
+            assert (api_version, kind, name) == ("apps/v1", "Deployment", "tiny-cpu")
+            containers = [
+                {"name": "fetch-model"},
+                {"name": "engine", "resources": {"requests": {"cpu": "2", "memory": "1700Mi"}}},
+            ]
+            return {"spec": {"template": {"spec": {"containers": containers}}}}
+
+    down = ModelConfigs("http://127.0.0.1:9", timeout=0.5)  # nothing listens on port 9
+    reconciler = Reconciler(kube=Workload(), model_configs=down)  # type: ignore[arg-type]
+    planned, refusal = reconciler.planned(_resource(resources={"requests": {"cpu": "2"}}))
+    assert refusal is None
+    assert planned.spec.resources.requests == {"cpu": "2", "memory": "1700Mi"}
+
+
+def test_on_cpu_dtype_auto_is_refused_only_where_no_dtype_fits(smollm2_hub: hub.Hub) -> None:
+    """The engine picks bfloat16 on CPUs with AVX-512 BF16 or AMX and float32 elsewhere: a
+    budget only bfloat16 fits is accepted (and sized in bfloat16), one neither fits is not."""
+    reconciler = Reconciler(kube=None, model_configs=ModelConfigs(smollm2_hub.url))  # type: ignore[arg-type]
+    config = json.loads(SMOLLM2.read_text())
+    for budget in (0.2, 0.4):  # SmolLM2's fixed weights: 0.199 GiB bf16, 0.211 float32 + slots
+        llmi = _resource(
+            model={"uri": f"hf://{REPO}", "dtype": "auto", "maxModelLen": 512},
+            offload={"policy": "static", "deviceMemoryLimitGb": budget},
+        )
+        _, refusal = reconciler.planned(llmi)
+        assert refusal is None, (budget, refusal)
+    bf16_only = _resource(
+        model={"uri": f"hf://{REPO}", "dtype": "auto", "maxModelLen": 512},
+        offload={"policy": "static", "deviceMemoryLimitGb": 0.2},
+    )
+    with pytest.raises(ConfigError):
+        manifest_plan(bf16_only, config, None)  # float32 does not fit
+    manifest_plan(bf16_only, config, None, dtype="bfloat16")
+    too_small = _resource(
+        model={"uri": f"hf://{REPO}", "dtype": "auto", "maxModelLen": 512},
+        offload={"policy": "static", "deviceMemoryLimitGb": 0.05},
+    )
+    assert reconciler.planned(too_small)[1] is not None
+
+
+def test_a_config_the_plan_cannot_read_is_left_to_the_engine(tmp_path: Path) -> None:
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with hub.serving(folder, REPO) as served:
+        reconciler = Reconciler(kube=None, model_configs=ModelConfigs(served.url))  # type: ignore[arg-type]
+        llmi = _resource(offload={"policy": "static", "deviceMemoryLimitGb": 0.01})
+        assert reconciler.plan_refusal(llmi) is None
+
+
+def test_a_model_uri_names_only_a_repository_on_the_endpoint() -> None:
+    for uri in (
+        "hf://../../admin?",
+        "hf://org/../../x",
+        "hf://org/name#x",
+        "hf://a/b/c",
+        "hf://a b",
+    ):
+        assert config_url("https://hf.example", uri, None) is None, uri
+    assert config_url("https://hf.example", "hf://org/name/", None) == (
+        "https://hf.example/org/name/resolve/main/config.json"
+    )
+    assert check_endpoint("off") == "off"
+    assert check_endpoint("https://hf-mirror.example/prefix") == "https://hf-mirror.example/prefix"
+    for bad in ("hf-mirror.example", "file:///etc", "https://user:secret@hf.example"):
+        with pytest.raises(ValueError):
+            check_endpoint(bad)
+
+
+@pytest.fixture
+def raw_server() -> Iterator[Callable[[bytes], str]]:
+    """Servers that answer every connection with the given bytes, then close it; each gives
+    its base URL."""
+    servers: list[socket.socket] = []
+
+    def serve(answer: bytes) -> str:
+        listener = socket.create_server(("127.0.0.1", 0))
+        servers.append(listener)
+
+        def run() -> None:
+            while True:
+                try:
+                    connection, _ = listener.accept()
+                except OSError:  # closed at teardown
+                    return
+                with connection:
+                    connection.recv(65536)
+                    connection.sendall(answer)
+
+        threading.Thread(target=run, daemon=True).start()
+        return f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+    yield serve
+    for listener in servers:
+        listener.close()
+
+
+def test_protocol_errors_and_foreign_redirects_are_unreadable_not_raised(
+    raw_server: Callable[[bytes], str],
+) -> None:
+    garbage = raw_server(b"NOT-HTTP garbage\r\n\r\n")
+    with pytest.raises(ConfigUnreadable):
+        read_config(garbage + "/config.json", timeout=2)
+    short = raw_server(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{}")
+    with pytest.raises(ConfigUnreadable):
+        read_config(short + "/config.json", timeout=2)
+    redirect = raw_server(
+        b"HTTP/1.1 302 Found\r\nLocation: http://169.254.169.254/latest\r\n"
+        b"Content-Length: 0\r\n\r\n"
+    )
+    with pytest.raises(ConfigUnreadable, match="redirected to another server"):
+        read_config(redirect + "/config.json", timeout=2)
+    for endpoint in (garbage, short, redirect):  # nothing escapes to the reconciler
+        assert ModelConfigs(endpoint).get(f"hf://{REPO}", None) is None
