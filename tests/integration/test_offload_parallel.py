@@ -49,3 +49,74 @@ def test_offload_across_ranks_generates_what_resident_weights_do(
         assert _generate(llm, prompts) == expected
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize(
+    ("tensor", "pipeline", "weights"), [(2, 1, "none"), (1, 2, "none"), (2, 2, "w8a16")]
+)
+def test_adaptive_offload_moves_every_ranks_weights_in_step(
+    make_tiny_model: Any, tensor: int, pipeline: int, weights: str
+) -> None:
+    """Under KV pressure rank 0 decides and every rank streams more of its own weights
+    between the same two steps; the shared block table grows by the fewest blocks any rank
+    freed (so it grows only where every rank moved), every rank's cache follows, and all of
+    it comes back when the pressure is gone — with the tokens of all-resident weights."""
+    folder = make_tiny_model("llama", num_hidden_layers=12, intermediate_size=512)
+    prompts = random_prompts(320, [20, 33, 17, 28, 40, 25, 31, 22], seed=9)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kv = {"num_blocks": 8}  # 128 tokens: two or three of these requests at once
+    # the 110B example's combination too: W8A16 weights (int8 streams) on TP x PP
+    quantization = {"weights": weights}
+    reference = parallel_llm(
+        folder, tensor, pipeline, kv_cache=kv, max_model_len=128, quantization=quantization
+    )
+    try:
+        outputs = reference.generate(prompts, params, use_tqdm=False)
+        expected = [list(o.outputs[0].token_ids) for o in outputs]
+        per_rank = reference.engine.runner.weight_bytes
+    finally:
+        reference.close()
+    llm = parallel_llm(
+        folder,
+        tensor,
+        pipeline,
+        kv_cache=kv,
+        max_model_len=128,
+        quantization=quantization,
+        offload={"policy": "adaptive", "device_memory_limit_gb": per_rank / GIB},
+    )
+    try:
+        engine = llm.engine
+        policy = engine.adaptive
+        assert policy is not None
+        policy.pressure_steps, policy.calm_steps, policy.cooldown_steps = 2, 6, 3
+        state = engine.runner.model.offload
+        assert state is not None and not state.streamed  # the budget holds every weight
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"p{i}", prompt, params)
+        got: dict[str, list[int]] = {}
+        most_blocks = 8
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    got[out.request_id] = list(out.outputs[0].token_ids)
+            assert state.ledger.held <= state.ledger.budget
+            most_blocks = max(most_blocks, engine.block_manager.num_blocks)
+            assert engine.runner.num_blocks == engine.block_manager.num_blocks
+        assert [got[f"p{i}"] for i in range(len(prompts))] == expected
+        # the table grows by the smallest share any rank freed: every rank moved weights
+        assert policy.counters.offloaded >= 1 and most_blocks > 8
+        for i in range(40):  # pressure gone: one short request at a time
+            engine.add_request(f"calm{i}", prompts[0][:5], SamplingParams(max_tokens=4))
+            while engine.has_unfinished_requests():
+                engine.step()
+            if not policy.evicted:
+                break
+        assert policy.counters.restored == policy.counters.offloaded
+        assert engine.block_manager.num_blocks == engine.runner.num_blocks == 8
+        assert not state.streamed
+        # and every rank still computes what it did: its cache and weights are back in place
+        again = llm.generate(prompts[:3], params, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in again] == expected[:3]
+    finally:
+        llm.close()

@@ -21,7 +21,9 @@ class OffloadConfig(Section):
 
     policy: OffloadPolicy = "none"
     """none: every weight on the device. static: a plan fixed at start-up from the budget.
-    adaptive: the plan follows measured transfer and compute times."""
+    adaptive: the static plan to start with; while requests wait for KV blocks more weights
+    stream and the KV cache grows into their room, and they come back once the pressure is
+    gone (every rank of a replica moves in step)."""
 
     device_memory_limit_gb: float | None = Field(default=None, gt=0, le=4096)
     """Device memory the weights may use, in GiB; required unless policy is none."""

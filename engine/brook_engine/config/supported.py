@@ -11,13 +11,6 @@ from brook_engine.config.sections import EngineSections
 def unsupported_settings(sections: EngineSections) -> list[str]:
     """One message per setting this build cannot honour, naming the field and the fix."""
     problems = []
-    parallel = sections.parallel
-    if sections.offload.policy == "adaptive" and parallel.tensor * parallel.pipeline > 1:
-        problems.append(
-            "offload.policy: the adaptive policy runs on one device so far (its KV cache "
-            "grows and shrinks between steps, which ranks would have to do in step); use "
-            "static with parallel.tensor or parallel.pipeline above 1"
-        )
     if sections.offload.policy != "none" and sections.shapes.one_row_weights != "model":
         problems.append(
             "shapes.oneRowWeights: one-row copies would double the weights that offload "

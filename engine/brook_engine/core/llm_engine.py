@@ -141,30 +141,28 @@ class LLMEngine:
         )
 
     def _adaptive_offload(self, config: EngineConfig) -> AdaptivePolicy | None:
-        """``offload.policy: adaptive``: the policy that trades weights for KV blocks."""
+        """``offload.policy: adaptive``: the policy that trades weights for KV blocks (on
+        every rank: ``ModelRunner.offload_out``/``offload_back``)."""
         state = self.runner.model.offload
         if config.offload.policy != "adaptive" or state is None:
             return None
         runner, blocks = self.runner, self.block_manager
 
-        def grow(count: int) -> None:
-            runner.resize_kv(runner.num_blocks + count)
-            blocks.add_blocks(count)
+        def move_out() -> int | None:
+            added = runner.offload_out()
+            if added:
+                blocks.add_blocks(added)
+            return added
 
-        def shrink(count: int) -> bool:
-            if not blocks.top_blocks_idle(count):
+        def move_back(count: int) -> bool:
+            if count and not blocks.top_blocks_idle(count):
                 return False
-            blocks.remove_top_blocks(count)
-            runner.resize_kv(runner.num_blocks - count)
+            if count:
+                blocks.remove_top_blocks(count)
+            runner.offload_back(count)
             return True
 
-        return AdaptivePolicy(
-            state,
-            runner.kv_layout.bytes_per_token * config.kv_cache.block_size,
-            grow,
-            shrink,
-            list(config.offload.priority_layers),
-        )
+        return AdaptivePolicy(move_out, move_back, state.describe)
 
     def _eos_ids(self, folder: Path) -> frozenset[int]:
         ids = set(self.arch.eos_token_ids)
@@ -400,7 +398,8 @@ class LLMEngine:
         oldest, so its first stage computes while the later stages finish the step before."""
         depth = self.runner.steps_in_flight
         issued = False
-        if len(self._in_flight) < depth:
+        changing = self.adaptive is not None and self.adaptive.wants_change
+        if len(self._in_flight) < depth and not changing:  # a change waits for an empty pipe
             batch = self.scheduler.schedule(depth)
             if batch.seqs:
                 flight = self.runner.issue(batch)
@@ -417,10 +416,12 @@ class LLMEngine:
             for seq in batch.seqs:
                 seq.in_flight = False
         outputs = self._apply(batch, results)
-        if self.adaptive is not None:  # between steps: nothing in flight (one process)
+        if self.adaptive is not None:
             self.adaptive.after_step(
                 batch.kv_blocked or batch.num_preempted > 0, self.scheduler.num_waiting
             )
+            if self.adaptive.wants_change and not self._in_flight:
+                self.adaptive.act()  # between steps, on every rank
         return outputs
 
     def _apply(

@@ -44,6 +44,7 @@ from brook_engine.layers.rotary import RotaryEmbedding
 from brook_engine.layers.sampler import SampleResult
 from brook_engine.models.arch import ModelArch
 from brook_engine.models.loader import add_one_row_copies, load_model
+from brook_engine.offload.adaptive import RankMover
 from brook_engine.offload.plan import with_checkpoint_quantization
 from brook_engine.offload.setup import rank_plan
 from brook_engine.offload.streamer import WeightStreamer
@@ -188,6 +189,13 @@ class ModelRunner:
         )
         self.kv_layout, self.calibration = kv.layout, kv.calibration
         self.num_blocks, self.caches = kv.num_blocks, kv.caches
+        state = self.model.offload
+        #: ``offload.policy: adaptive``: this rank's side of the moves rank 0 decides.
+        self.mover = (
+            RankMover(state, list(config.offload.priority_layers))
+            if config.offload.policy == "adaptive" and state is not None
+            else None
+        )
         if isinstance(self.model.streamer, WeightStreamer):
             self.model.streamer.reset_stats()  # count serving's transfers, not start-up's
         self.sampler = ChunkSampler(self.device)
@@ -273,6 +281,45 @@ class ModelRunner:
             cache.resize(num_blocks)
         self.num_blocks = num_blocks
         self.model.row_decoding.forget()  # its per-layer plans point at the old tensors
+
+    # -- the adaptive offload's moves (rank 0 decides, between steps, nothing in flight) ---
+
+    def offload_out(self) -> int | None:
+        """Rank 0: every rank streams its next pieces and the KV cache grows by the fewest
+        blocks any rank freed (the block table is shared). The blocks added, or None when no
+        rank had a piece left to move."""
+        if self.comm is not None:
+            self.comm.send_plan(StepPlan("offload_out"), keep=self.steps_in_flight)
+        return self._offload_out()
+
+    def offload_back(self, blocks: int) -> None:
+        """Rank 0 (the cache's last ``blocks`` blocks idle): every rank gives them back and
+        makes the pieces of its last move out resident again."""
+        if self.comm is not None:
+            self.comm.send_plan(StepPlan("offload_back", blocks=blocks), keep=self.steps_in_flight)
+        self._offload_back(blocks)
+
+    def _offload_out(self) -> int | None:
+        assert self.mover is not None, "offload_out without the adaptive policy"
+        freed = self.mover.move_out()
+        blocks = freed // (self.kv_layout.bytes_per_token * self.block_size)
+        moved = freed > 0
+        if self.comm is not None:
+            self._drain_outboxes(keep=0)
+            blocks = self.comm.min_int(blocks)
+            moved = self.comm.min_int(-int(moved)) < 0  # on any rank
+        if not moved:
+            self.mover.forget_last()
+            return None
+        if blocks:
+            self.resize_kv(self.num_blocks + blocks)
+        return blocks
+
+    def _offload_back(self, blocks: int) -> None:
+        assert self.mover is not None, "offload_back without the adaptive policy"
+        if blocks:
+            self.resize_kv(self.num_blocks - blocks)  # the cache first: the weights' room
+        self.mover.move_back()
 
     def kv_bytes_by_dtype(self, num_blocks: int) -> dict[str, int]:
         """Bytes ``num_blocks`` blocks take in this rank's layers of each storage dtype."""
@@ -409,6 +456,12 @@ class ModelRunner:
         counters only after it issued step k + stepsInFlight - 1, which needs this rank
         (a tensor-parallel peer's all-reduce, a stage's activations). So a rank waits for a
         step's sends only once it has run that later step too."""
+        if plan.kind == "offload_out":
+            self._offload_out()
+            return
+        if plan.kind == "offload_back":
+            self._offload_back(plan.blocks)
+            return
         flight = self._start(plan, time.perf_counter())
         if plan.kind != "step":
             return

@@ -9,13 +9,20 @@ KV cache grows by the blocks the freed bytes hold. After ``CALM_STEPS`` steps wi
 waiting, the pieces evicted last come back, once the cache's last blocks are idle and it
 can shrink by their bytes. The weights' device bytes never pass the budget (they only fall
 below it), and weights + KV together stay where they started. Each change is logged and
-counted."""
+counted.
+
+Two parts: the policy (``AdaptivePolicy``, rank 0: when) and each rank's mover
+(``RankMover``: which of its own pieces). Under tensor and pipeline parallelism rank 0
+decides and every rank moves its own share between the same two steps, with nothing in
+flight; the cache grows by the fewest blocks any rank's freed bytes hold, since the block
+table is shared (``ModelRunner.offload_out``/``offload_back``)."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 from brook_engine.offload.plan import PIECE_KINDS, PieceKind
 from brook_engine.offload.state import Key, OffloadState
@@ -35,48 +42,15 @@ class AdaptiveCounters:
     blocks_removed: int = 0
 
 
-class AdaptivePolicy:
-    """Moves pieces between resident and streamed from the engine's KV pressure."""
+class RankMover:
+    """One rank's side: which of its resident pieces stream next, and which come back."""
 
-    def __init__(
-        self,
-        state: OffloadState,
-        block_bytes: int,
-        grow_kv: Callable[[int], None],
-        shrink_kv: Callable[[int], bool],
-        priority: list[PieceKind],
-    ) -> None:
+    def __init__(self, state: OffloadState, priority: list[PieceKind]) -> None:
         self.state = state
-        self.block_bytes = max(1, block_bytes)  # KV bytes of one block on this rank
-        self.grow_kv = grow_kv
-        self.shrink_kv = shrink_kv  # False when the cache's last blocks are busy
-        order = [k for k in PIECE_KINDS if k not in priority] + list(priority)
-        self.kind_order: list[PieceKind] = order
-        self.evicted: list[tuple[list[Key], int]] = []  # (pieces, blocks added), newest last
-        self.pressure = 0
-        self.calm = 0
-        # hysteresis, in steps (instance attributes so a test can shorten them)
-        self.pressure_steps, self.calm_steps = PRESSURE_STEPS, CALM_STEPS
-        self.cooldown_steps = COOLDOWN_STEPS
-        self.since_change = self.cooldown_steps
-        self.counters = AdaptiveCounters()
-
-    def after_step(self, kv_blocked: bool, waiting: int) -> None:
-        self.since_change += 1
-        if kv_blocked:
-            self.pressure += 1
-            self.calm = 0
-        else:
-            self.pressure = 0
-            self.calm = self.calm + 1 if waiting == 0 else 0
-        if self.since_change < self.cooldown_steps:
-            return
-        if self.pressure >= self.pressure_steps:
-            self._offload_more()
-        elif self.calm >= self.calm_steps and self.evicted:
-            self._bring_back()
-
-    # -- out -------------------------------------------------------------------------------
+        self.kind_order: list[PieceKind] = [k for k in PIECE_KINDS if k not in priority] + list(
+            priority
+        )
+        self.moved: list[list[Key]] = []  # per change out, newest last (empty: nothing here)
 
     def _choose(self) -> list[Key]:
         """The next pieces to stream: of the first kind in order that has resident pieces,
@@ -105,51 +79,128 @@ class AdaptivePolicy:
             return []  # this kind cannot pay for its ring: nothing to gain
         return []
 
-    def _offload_more(self) -> None:
+    def move_out(self) -> int:
+        """Stream the next pieces; the device bytes freed (0: nothing left to move)."""
         chosen = self._choose()
+        self.moved.append(chosen)
         if not chosen:
+            return 0
+        before = self.state.ledger.held
+        self.state.evict_many(chosen)
+        log.info("weight offload (adaptive): %s now stream", _names(chosen))
+        return before - self.state.ledger.held
+
+    def move_back(self) -> list[Key]:
+        """Make the pieces of the last change out resident again; returns them."""
+        chosen = self.moved.pop()
+        if chosen:
+            self.state.restore_many(chosen)
+            log.info("weight offload (adaptive): %s resident again", _names(chosen))
+        return chosen
+
+    def forget_last(self) -> None:
+        """Drop the last change out, which moved nothing on any rank."""
+        assert not self.moved[-1]
+        self.moved.pop()
+
+
+class AdaptivePolicy:
+    """Rank 0: when to trade weights for KV blocks and back, from the engine's KV pressure.
+
+    ``move_out()`` moves the next pieces on every rank and returns the blocks the cache grew
+    by, or None when no rank had anything left to move; ``move_back(blocks)`` undoes the last
+    change, shrinking the cache by ``blocks``, and returns False (changing nothing) while
+    the cache's last blocks are still in use. Both run with nothing in flight: the engine
+    stops starting steps while ``wants_change`` and calls ``act`` once they are collected."""
+
+    def __init__(
+        self,
+        move_out: Callable[[], int | None],
+        move_back: Callable[[int], bool],
+        describe: Callable[[], str],
+    ) -> None:
+        self.move_out = move_out
+        self.move_back = move_back
+        self.describe = describe
+        self.evicted: list[int] = []  # blocks added by each change out, newest last
+        self.pressure = 0
+        self.calm = 0
+        self.exhausted = False  # nothing left to move out until something comes back
+        # hysteresis, in steps (instance attributes so a test can shorten them)
+        self.pressure_steps, self.calm_steps = PRESSURE_STEPS, CALM_STEPS
+        self.cooldown_steps = COOLDOWN_STEPS
+        self.since_change = self.cooldown_steps
+        self.counters = AdaptiveCounters()
+        self._wanted: Literal["out", "back"] | None = None
+
+    @property
+    def wants_change(self) -> bool:
+        return self._wanted is not None
+
+    def after_step(self, kv_blocked: bool, waiting: int) -> None:
+        """Count one collected step; a change may then be wanted (``act`` makes it)."""
+        self.since_change += 1
+        if kv_blocked:
+            self.pressure += 1
+            self.calm = 0
+        else:
+            self.pressure = 0
+            self.calm = self.calm + 1 if waiting == 0 else 0
+        self._wanted = None
+        if self.since_change < self.cooldown_steps:
             return
-        state = self.state
-        before = state.ledger.held
-        state.evict_many(chosen)
-        freed = before - state.ledger.held
-        blocks = freed // self.block_bytes
-        if blocks > 0:
-            self.grow_kv(blocks)
-        self.evicted.append((chosen, blocks))
+        if self.pressure >= self.pressure_steps and not self.exhausted:
+            self._wanted = "out"
+        elif self.calm >= self.calm_steps and self.evicted:
+            self._wanted = "back"
+
+    def act(self) -> None:
+        """Make the wanted change (nothing in flight)."""
+        wanted, self._wanted = self._wanted, None
+        if wanted == "out":
+            self._offload_more()
+        elif wanted == "back":
+            self._bring_back()
+
+    def _offload_more(self) -> None:
+        blocks = self.move_out()
+        if blocks is None:
+            self.exhausted = True
+            return
+        self.evicted.append(blocks)
         self.counters.offloaded += 1
         self.counters.blocks_added += blocks
         self._changed()
         log.info(
-            "weight offload (adaptive): KV pressure for %d steps: %s now stream, the KV cache "
-            "grew by %d blocks; %s",
+            "weight offload (adaptive): KV pressure for %d steps: more weights stream, the KV "
+            "cache grew by %d blocks; %s",
             self.pressure_steps,
-            ", ".join(f"layer {i} {k}" for i, k in chosen),
             blocks,
-            state.describe(),
+            self.describe(),
         )
 
-    # -- back ------------------------------------------------------------------------------
-
     def _bring_back(self) -> None:
-        chosen, blocks = self.evicted[-1]
-        if blocks > 0 and not self.shrink_kv(blocks):
+        blocks = self.evicted[-1]
+        if not self.move_back(blocks):
             return  # the cache's last blocks are still in use: try again next step
-        self.state.restore_many(chosen)
         self.evicted.pop()
+        self.exhausted = False
         self.counters.restored += 1
         self.counters.blocks_removed += blocks
         self._changed()
         log.info(
-            "weight offload (adaptive): no KV pressure for %d steps: %s resident again, the "
-            "KV cache gave back %d blocks; %s",
+            "weight offload (adaptive): no KV pressure for %d steps: weights resident again, "
+            "the KV cache gave back %d blocks; %s",
             self.calm_steps,
-            ", ".join(f"layer {i} {k}" for i, k in chosen),
             blocks,
-            self.state.describe(),
+            self.describe(),
         )
 
     def _changed(self) -> None:
         self.since_change = 0
         self.pressure = 0
         self.calm = 0
+
+
+def _names(keys: list[Key]) -> str:
+    return ", ".join(f"layer {i} {k}" for i, k in keys)

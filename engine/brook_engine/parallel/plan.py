@@ -9,7 +9,8 @@ from typing import Literal
 
 from brook_engine.sampling_params import SamplingParams
 
-PlanKind = Literal["step", "heartbeat", "stop"]
+#: "offload_out"/"offload_back": the adaptive weight offload's move, between steps.
+PlanKind = Literal["step", "heartbeat", "stop", "offload_out", "offload_back"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class StepPlan:
     released: list[str] = field(default_factory=list)  # requests whose sampler state to drop
     report: bool = False  # reduce the overlap counters at rank 0 after this step
     blocking_sends: bool = False  # send activations synchronously (a benchmark baseline)
+    blocks: int = 0  # offload_back: the KV blocks every rank gives back
 
 
 @dataclass

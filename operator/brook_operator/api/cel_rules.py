@@ -92,13 +92,6 @@ CEL_RULES: dict[type[BaseModel], list[Rule]] = {
         ),
         # What this engine build cannot honour yet (brook_engine.config.supported).
         Rule(
-            "self.offload.policy != 'adaptive' || "
-            "(self.parallel.tensor == 1 && self.parallel.pipeline == 1)",
-            "offload.policy: the adaptive policy runs on one device so far; use static with "
-            "parallel.tensor or parallel.pipeline above 1",
-            ".offload.policy",
-        ),
-        Rule(
             "self.offload.policy == 'none' || self.shapes.oneRowWeights == 'model'",
             "shapes.oneRowWeights: one-row copies would double the weights that offload "
             "keeps under its budget; use model with weight offload",

@@ -228,15 +228,6 @@ def test_a_budget_below_the_fixed_weights_and_slots_is_refused(deep_llama: Path)
         _engine(deep_llama, offload={"policy": "static", "device_memory_limit_gb": 1e-6})
 
 
-def test_adaptive_under_parallelism_is_refused_until_built(deep_llama: Path) -> None:
-    with pytest.raises(ConfigError, match="adaptive policy runs on one device so far"):
-        _engine(
-            deep_llama,
-            offload={"policy": "adaptive", "device_memory_limit_gb": 1},
-            parallel={"tensor": 2},
-        )
-
-
 @pytest.mark.parametrize(("quantization", "fraction"), [(None, 1.0), ("w8a16", 1.0), (None, 0.5)])
 def test_adaptive_moves_weights_out_under_kv_pressure_and_back_after(
     deep_llama: Path, quantization: str | None, fraction: float

@@ -56,13 +56,8 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
         "spec.quantization.groupSize",
     ),
     (
-        "adaptive-offload-across-devices",
-        {"spec.offload.policy": "adaptive", "spec.offload.deviceMemoryLimitGb": 20},
-        "spec.offload.policy",
-    ),
-    (
         "offload-without-budget",
-        {"spec.offload.policy": "static"},
+        {"spec.offload": {"policy": "static"}},
         "spec.offload.deviceMemoryLimitGb",
     ),
     (
