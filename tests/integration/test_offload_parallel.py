@@ -4,6 +4,7 @@ generates token for token what the all-resident replica generates."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -55,7 +56,11 @@ def test_offload_across_ranks_generates_what_resident_weights_do(
     ("tensor", "pipeline", "weights"), [(2, 1, "none"), (1, 2, "none"), (2, 2, "w8a16")]
 )
 def test_adaptive_offload_moves_every_ranks_weights_in_step(
-    make_tiny_model: Any, tensor: int, pipeline: int, weights: str
+    make_tiny_model: Any,
+    tensor: int,
+    pipeline: int,
+    weights: str,
+    capfd: pytest.CaptureFixture[str],
 ) -> None:
     """Under KV pressure rank 0 decides and every rank streams more of its own weights
     between the same two steps; the shared block table grows by the fewest blocks any rank
@@ -118,5 +123,48 @@ def test_adaptive_offload_moves_every_ranks_weights_in_step(
         # and every rank still computes what it did: its cache and weights are back in place
         again = llm.generate(prompts[:3], params, use_tqdm=False)
         assert [list(o.outputs[0].token_ids) for o in again] == expected[:3]
+    finally:
+        llm.close()
+    # Each worker logged its own moves (the worker processes write to this test's stderr):
+    # at least as many out as rank 0 counted (a move that could not grow the cache is undone
+    # at once), and each brought back.
+    log = capfd.readouterr().err
+    for rank in range(1, tensor * pipeline):
+        out = re.findall(rf"rank {rank} INFO weight offload \(adaptive\): .* now stream", log)
+        back = re.findall(rf"rank {rank} INFO weight offload \(adaptive\): .* resident again", log)
+        assert len(out) == len(back) >= policy.counters.offloaded, (rank, log[-3000:])
+
+
+def test_adaptive_offload_moves_nothing_where_a_rank_cannot_pay(make_tiny_model: Any) -> None:
+    """A two-layer first stage cannot stream a piece and still free more than its new ring
+    takes: the cache could not grow, so no rank keeps streaming weights for nothing."""
+    folder = make_tiny_model("llama", num_hidden_layers=12, intermediate_size=512)
+    prompts = random_prompts(320, [20, 33, 17, 28, 40, 25, 31, 22], seed=9)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    layout = {"stage_layers": [2, 10]}
+    options: dict[str, Any] = {"kv_cache": {"num_blocks": 8}, "max_model_len": 128}
+    reference = parallel_llm(folder, 1, 2, parallel=layout, **options)
+    try:
+        outputs = reference.generate(prompts, params, use_tqdm=False)
+        expected = [list(o.outputs[0].token_ids) for o in outputs]
+        budget = 4 * reference.engine.runner.weight_bytes  # holds either stage's weights
+    finally:
+        reference.close()
+    llm = parallel_llm(
+        folder,
+        1,
+        2,
+        parallel=layout,
+        offload={"policy": "adaptive", "device_memory_limit_gb": budget / GIB},
+        **options,
+    )
+    try:
+        policy = llm.engine.adaptive
+        assert policy is not None
+        policy.pressure_steps, policy.calm_steps, policy.cooldown_steps = 2, 6, 3
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+        assert policy.exhausted  # it tried once, every rank undid it, and it stopped trying
+        assert policy.counters.offloaded == 0 and llm.engine.block_manager.num_blocks == 8
     finally:
         llm.close()

@@ -162,7 +162,9 @@ class LLMEngine:
             runner.offload_back(count)
             return True
 
-        return AdaptivePolicy(move_out, move_back, state.describe)
+        return AdaptivePolicy(
+            move_out, move_back, state.describe, lambda n: n == 0 or blocks.top_blocks_idle(n)
+        )
 
     def _eos_ids(self, folder: Path) -> frozenset[int]:
         ids = set(self.arch.eos_token_ids)

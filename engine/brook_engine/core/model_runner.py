@@ -286,10 +286,12 @@ class ModelRunner:
 
     def offload_out(self) -> int | None:
         """Rank 0: every rank streams its next pieces and the KV cache grows by the fewest
-        blocks any rank freed (the block table is shared). The blocks added, or None when no
-        rank had a piece left to move."""
+        blocks any rank freed (the block table is shared). The blocks added, or None when
+        that is none (some rank had nothing left to move): the move is then undone on every
+        rank, since weights that stream for no KV blocks only slow the steps."""
         if self.comm is not None:
             self.comm.send_plan(StepPlan("offload_out"), keep=self.steps_in_flight)
+            self.last_plan_time = time.monotonic()
         return self._offload_out()
 
     def offload_back(self, blocks: int) -> None:
@@ -297,22 +299,20 @@ class ModelRunner:
         makes the pieces of its last move out resident again."""
         if self.comm is not None:
             self.comm.send_plan(StepPlan("offload_back", blocks=blocks), keep=self.steps_in_flight)
+            self.last_plan_time = time.monotonic()
         self._offload_back(blocks)
 
     def _offload_out(self) -> int | None:
         assert self.mover is not None, "offload_out without the adaptive policy"
         freed = self.mover.move_out()
         blocks = freed // (self.kv_layout.bytes_per_token * self.block_size)
-        moved = freed > 0
         if self.comm is not None:
             self._drain_outboxes(keep=0)
             blocks = self.comm.min_int(blocks)
-            moved = self.comm.min_int(-int(moved)) < 0  # on any rank
-        if not moved:
-            self.mover.forget_last()
+        if not blocks:
+            self.mover.move_back()  # on every rank: the cache could not grow
             return None
-        if blocks:
-            self.resize_kv(self.num_blocks + blocks)
+        self.resize_kv(self.num_blocks + blocks)
         return blocks
 
     def _offload_back(self, blocks: int) -> None:

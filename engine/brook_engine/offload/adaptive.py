@@ -98,17 +98,13 @@ class RankMover:
             log.info("weight offload (adaptive): %s resident again", _names(chosen))
         return chosen
 
-    def forget_last(self) -> None:
-        """Drop the last change out, which moved nothing on any rank."""
-        assert not self.moved[-1]
-        self.moved.pop()
-
 
 class AdaptivePolicy:
     """Rank 0: when to trade weights for KV blocks and back, from the engine's KV pressure.
 
     ``move_out()`` moves the next pieces on every rank and returns the blocks the cache grew
-    by, or None when no rank had anything left to move; ``move_back(blocks)`` undoes the last
+    by, or None when the move would not grow it (some rank had nothing left to move: the
+    move is undone on every rank); ``move_back(blocks)`` undoes the last
     change, shrinking the cache by ``blocks``, and returns False (changing nothing) while
     the cache's last blocks are still in use. Both run with nothing in flight: the engine
     stops starting steps while ``wants_change`` and calls ``act`` once they are collected."""
@@ -118,10 +114,12 @@ class AdaptivePolicy:
         move_out: Callable[[], int | None],
         move_back: Callable[[int], bool],
         describe: Callable[[], str],
+        can_give_back: Callable[[int], bool] = lambda blocks: True,
     ) -> None:
         self.move_out = move_out
         self.move_back = move_back
         self.describe = describe
+        self.can_give_back = can_give_back  # the cache's last ``blocks`` blocks are idle
         self.evicted: list[int] = []  # blocks added by each change out, newest last
         self.pressure = 0
         self.calm = 0
@@ -151,8 +149,8 @@ class AdaptivePolicy:
             return
         if self.pressure >= self.pressure_steps and not self.exhausted:
             self._wanted = "out"
-        elif self.calm >= self.calm_steps and self.evicted:
-            self._wanted = "back"
+        elif self.calm >= self.calm_steps and self.evicted and self.can_give_back(self.evicted[-1]):
+            self._wanted = "back"  # asked only when it can happen: a change drains the pipe
 
     def act(self) -> None:
         """Make the wanted change (nothing in flight)."""
