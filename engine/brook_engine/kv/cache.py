@@ -102,24 +102,50 @@ class Int8Params:
             balance,
         )
 
+    # Each transform below is one batched product per head with its maps folded once
+    # (centre, balance, rotate and scale in a [head_dim, head_dim] matrix and an offset):
+    # a decode step runs them in every INT8 layer, where a chain of small ops per call cost
+    # more than the attention itself.
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_folded", {})  # maps by purpose and head count
+
+    def _maps(self, name: str, heads: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        folded: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor | None]]
+        folded = self.__dict__["_folded"]
+        maps = folded.get((name, heads))
+        if maps is None:
+            maps = self._fold(name, heads)
+            folded[(name, heads)] = maps
+        return maps
+
+    def _fold(self, name: str, heads: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        rot = self.rotation
+        if name == "keys":  # ((k - mean) * balance) @ R / scale
+            matrix = self.k_balance[:, :, None] * rot / self.k_scale[:, None, :]
+            return matrix, ((self.k_mean * self.k_balance) @ rot / self.k_scale)[:, None, :]
+        if name == "values":  # (v - mean) @ R / scale
+            return rot / self.v_scale[:, None, :], (self.v_mean @ rot / self.v_scale)[:, None, :]
+        group = heads // self.k_scale.shape[0]
+        if name == "query":  # (q / balance) @ R * scale, per query head
+            matrix = rot / self.k_balance[:, :, None] * self.k_scale[:, None, :]
+            return matrix.repeat_interleave(group, dim=0).contiguous(), None
+        # output: (out * scale) @ R^T + mean, per query head
+        matrix = self.v_scale[:, :, None] * rot.T
+        mean = self.v_mean[:, None, :].repeat_interleave(group, dim=0)
+        return matrix.repeat_interleave(group, dim=0).contiguous(), mean
+
     def quantize_keys(self, k: torch.Tensor) -> torch.Tensor:
         """k [kv_heads, tokens, head_dim] → int8 of the same shape."""
-        return self._quantize(k, self.k_mean, self.k_scale, self.k_balance)
+        return self._quantize(k, "keys")
 
     def quantize_values(self, v: torch.Tensor) -> torch.Tensor:
-        return self._quantize(v, self.v_mean, self.v_scale, None)
+        return self._quantize(v, "values")
 
-    def _quantize(
-        self,
-        x: torch.Tensor,
-        mean: torch.Tensor,
-        scale: torch.Tensor,
-        weight: torch.Tensor | None,
-    ) -> torch.Tensor:
-        x = x.float() - mean[:, None]
-        if weight is not None:
-            x = x * weight[:, None]
-        turned = (x @ self.rotation) / scale[:, None]
+    def _quantize(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        matrix, offset = self._maps(name, x.shape[0])
+        assert offset is not None
+        turned = torch.baddbmm(offset, x.float(), matrix, beta=-1)
         return turned.round_().clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8)
 
     # Attention over INT8 layers runs in float32 (integers up to 127 and the turned query
@@ -128,20 +154,15 @@ class Int8Params:
 
     def query(self, q: torch.Tensor) -> torch.Tensor:
         """q [tokens, heads, head_dim] → the float32 query that scores the stored integers."""
-        heads, kv_heads = q.shape[1], self.k_scale.shape[0]
-        group = heads // kv_heads
-        scale = self.k_scale.repeat_interleave(group, dim=0)
-        balance = self.k_balance.repeat_interleave(group, dim=0)
-        return ((q.float() / balance) @ self.rotation) * scale
+        matrix, _ = self._maps("query", q.shape[1])
+        return torch.bmm(q.float().transpose(0, 1), matrix).transpose(0, 1)
 
     def output(self, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Float32 attention output over stored integers [tokens, heads, head_dim] → the
         output over the values they stand for, in ``dtype``."""
-        heads, kv_heads = out.shape[1], self.v_scale.shape[0]
-        group = heads // kv_heads
-        scale = self.v_scale.repeat_interleave(group, dim=0)
-        mean = self.v_mean.repeat_interleave(group, dim=0)
-        return ((out.float() * scale) @ self.rotation.T + mean).to(dtype)
+        matrix, mean = self._maps("output", out.shape[1])
+        assert mean is not None
+        return torch.baddbmm(mean, out.float().transpose(0, 1), matrix).transpose(0, 1).to(dtype)
 
 
 def bytes_per_token(kind: KVDType, compute_dtype: torch.dtype, kv_heads: int, head_dim: int) -> int:
