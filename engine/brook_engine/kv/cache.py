@@ -110,12 +110,15 @@ class Int8Params:
     def __post_init__(self) -> None:
         object.__setattr__(self, "_folded", {})  # maps by purpose and head count
 
-    def _maps(self, name: str, heads: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def maps(self, name: str, heads: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(matrix, offset) of ``name`` (keys, values, query, output) for ``heads`` heads,
+        folded at the first call (also read by the CPU kernel that stores INT8 rows)."""
         folded: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor | None]]
         folded = self.__dict__["_folded"]
         maps = folded.get((name, heads))
         if maps is None:
-            maps = self._fold(name, heads)
+            matrix, offset = self._fold(name, heads)
+            maps = (matrix.contiguous(), None if offset is None else offset.contiguous())
             folded[(name, heads)] = maps
         return maps
 
@@ -143,7 +146,7 @@ class Int8Params:
         return self._quantize(v, "values")
 
     def _quantize(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        matrix, offset = self._maps(name, x.shape[0])
+        matrix, offset = self.maps(name, x.shape[0])
         assert offset is not None
         turned = torch.baddbmm(offset, x.float(), matrix, beta=-1)
         return turned.round_().clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8)
@@ -154,13 +157,13 @@ class Int8Params:
 
     def query(self, q: torch.Tensor) -> torch.Tensor:
         """q [tokens, heads, head_dim] → the float32 query that scores the stored integers."""
-        matrix, _ = self._maps("query", q.shape[1])
+        matrix, _ = self.maps("query", q.shape[1])
         return torch.bmm(q.float().transpose(0, 1), matrix).transpose(0, 1)
 
     def output(self, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Float32 attention output over stored integers [tokens, heads, head_dim] → the
         output over the values they stand for, in ``dtype``."""
-        matrix, mean = self._maps("output", out.shape[1])
+        matrix, mean = self.maps("output", out.shape[1])
         assert mean is not None
         return torch.baddbmm(mean, out.float().transpose(0, 1), matrix).transpose(0, 1).to(dtype)
 

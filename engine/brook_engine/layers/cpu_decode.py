@@ -9,6 +9,8 @@ kernel is tested against); on CPU the kernel replaces it where the kernels are a
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from brook_engine.kv.cache import LayerKVCache
@@ -45,6 +47,8 @@ def store(cache: LayerKVCache, slots: torch.Tensor, k: torch.Tensor, v: torch.Te
     (their own type, no shift, scales or INT8 encoding): a memcpy per token and head instead
     of two ``index_copy_`` calls. False, with nothing written, where it does not apply."""
     library = cpu_kernels.library()
+    if library is not None and cache.int8 is not None:
+        return _store_int8(library, cache, slots, k, v)
     if (
         library is None
         or cache.k_shift is not None
@@ -76,6 +80,47 @@ def store(cache: LayerKVCache, slots: torch.Tensor, k: torch.Tensor, v: torch.Te
     )
     if status != 0:
         raise IndexError(f"KV store: a slot outside the cache's {cache.k.shape[1]} slots")
+    return True
+
+
+def _store_int8(
+    library: Any, cache: LayerKVCache, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> bool:
+    """An INT8 layer's ``cache.write``: each row turned by the layer's folded map, rounded
+    and written at its slot in one pass (the torch path runs a chain of ops per call)."""
+    params = cache.int8
+    if (
+        params is None
+        or cache.k_shift is not None
+        or k.device.type != "cpu"
+        or cache.k.dtype != torch.int8
+        or slots.dtype != torch.int64
+        or not slots.is_contiguous()
+    ):
+        return False
+    tokens, kv_heads, dim = k.shape
+    for x, name, target in ((k, "keys", cache.k), (v, "values", cache.v)):
+        rows = x.float()
+        if rows.stride()[1:] != (dim, 1):
+            rows = rows.contiguous()
+        matrix, offset = params.maps(name, kv_heads)
+        assert offset is not None
+        status = library.brook_kv_store_int8(
+            rows.data_ptr(),
+            matrix.data_ptr(),
+            offset.data_ptr(),
+            target.data_ptr(),
+            slots.data_ptr(),
+            tokens,
+            kv_heads,
+            dim,
+            rows.stride(0),
+            target.shape[1],
+        )
+        if status == -1:
+            raise IndexError(f"KV store: a slot outside the cache's {target.shape[1]} slots")
+        if status != 0:
+            return False  # head_dim beyond the kernel's bound: the portable path
     return True
 
 

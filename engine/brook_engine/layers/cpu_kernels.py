@@ -196,6 +196,8 @@ def _declare(opened: ctypes.CDLL) -> None:
         "brook_paged_decode": (i32, [p] * 8 + [i64] * 8 + [i32, p, f32, i32]),
         # k, v, k_cache, v_cache, slots, tokens, kv_heads, dim, token_stride, slots, item
         "brook_kv_store": (i32, [p] * 5 + [i64] * 6),
+        # x, map, offset, cache, slots, tokens, kv_heads, dim, token_stride, slots
+        "brook_kv_store_int8": (i32, [p] * 5 + [i64] * 5),
         # x, delta, weight, out, residual, rows, hidden, eps, kind, threads
         "brook_add_rms_norm": (None, [p] * 5 + [i64, i64, f32, i32, i32]),
         # gate_up, out, rows, inter, kind, threads

@@ -339,3 +339,38 @@ def test_the_kv_store_kernel_writes_what_the_cache_writes(dtype: torch.dtype) ->
     # A cache that encodes what it stores is left to its own write.
     fp8 = LayerKVCache.allocate(8, 4, kv_heads, dim, "fp8_e4m3", dtype, torch.device("cpu"))
     assert not cpu_decode.store(fp8, slots, k, v)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the kernel cannot build")
+@pytest.mark.parametrize(("kv_heads", "heads", "dim"), [(2, 6, 64), (1, 3, 24), (4, 4, 128)])
+def test_the_int8_store_kernel_writes_the_codes_the_cache_writes(
+    kv_heads: int, heads: int, dim: int
+) -> None:
+    """The folded map summed in another order than torch's product: the same codes, but
+    for a value that lands within a rounding error of a half step (a code apart at most)."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(256, heads, dim, generator=gen)
+    keys = torch.randn(256, kv_heads, dim, generator=gen) * 2 + 0.5
+    values = torch.randn(256, kv_heads, dim, generator=gen)
+    params = Int8Params.fit(q, keys, values)
+    stored = LayerKVCache.allocate(
+        16, 16, kv_heads, dim, "int8", torch.float32, torch.device("cpu")
+    )
+    written = LayerKVCache.allocate(
+        16, 16, kv_heads, dim, "int8", torch.float32, torch.device("cpu")
+    )
+    stored.int8 = written.int8 = params
+    qkv = torch.randn(200, heads + 2 * kv_heads, dim, generator=gen)  # keys, values are views
+    k, v = qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    slots = torch.randperm(256, generator=gen)[:200]
+    assert cpu_decode.store(stored, slots, k, v)
+    written.write(slots, k, v)
+    for got, expected in ((stored.k, written.k), (stored.v, written.v)):
+        apart = (got.int() - expected.int()).abs()
+        assert apart.max() <= 1 and (apart > 0).float().mean() < 1e-3
+        assert (got[:, slots] != 0).any()  # written where asked
+    untouched = torch.ones(256, dtype=torch.bool)
+    untouched[slots] = False
+    assert not stored.k[:, untouched].any() and not stored.v[:, untouched].any()
+    with pytest.raises(IndexError, match="outside the cache's 256 slots"):
+        cpu_decode.store(stored, torch.tensor([256]), k[:1], v[:1])

@@ -316,3 +316,44 @@ int brook_kv_store(const void *k, const void *v, void *k_cache, void *v_cache,
   }
   return 0;
 }
+
+/* INT8 KV store: each token's key (value) row of each KV head turned by the layer's folded
+ * map, y = x M[h] - offset[h] (centre, balance, rotation and scale in one [dim, dim] matrix
+ * per head: Int8Params.maps in kv/cache.py), rounded to nearest-even as torch.round does,
+ * clamped to +-127 and written at its slot (prefill reads the slots back, so what a
+ * prompt's attention sees is what the cache holds).
+ *   x            [tokens, kv_heads, dim] float32, rows token_stride floats apart
+ *   map, offset  [kv_heads, dim, dim], [kv_heads, dim] float32
+ *   cache        [kv_heads, slots, dim] int8
+ */
+enum { INT8_MAX_DIM = 1024 };
+
+int brook_kv_store_int8(const float *x, const float *map, const float *offset, int8_t *cache,
+                        const int64_t *slot_ids, int64_t tokens, int64_t kv_heads, int64_t dim,
+                        int64_t token_stride, int64_t slots) {
+  if (dim > INT8_MAX_DIM) return -2;
+  for (int64_t t = 0; t < tokens; t++)
+    if (slot_ids[t] < 0 || slot_ids[t] >= slots) return -1;
+  float acc[INT8_MAX_DIM];
+  for (int64_t h = 0; h < kv_heads; h++) {
+    const float *m = map + h * dim * dim;
+    const float *off = offset + h * dim;
+    for (int64_t t = 0; t < tokens; t++) {
+      const float *row = x + t * token_stride + h * dim;
+      for (int64_t j = 0; j < dim; j++) acc[j] = 0.0f;
+      for (int64_t i = 0; i < dim; i++) {
+        const float xi = row[i];
+        const float *mi = m + i * dim;
+#pragma omp simd
+        for (int64_t j = 0; j < dim; j++) acc[j] += xi * mi[j];
+      }
+      int8_t *dst = cache + (h * slots + slot_ids[t]) * dim;
+      for (int64_t j = 0; j < dim; j++) {
+        float y = nearbyintf(acc[j] - off[j]);
+        y = y > 127.0f ? 127.0f : (y < -127.0f ? -127.0f : y);
+        dst[j] = (int8_t)y;
+      }
+    }
+  }
+  return 0;
+}
