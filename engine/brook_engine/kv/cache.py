@@ -102,41 +102,41 @@ class Int8Params:
             balance,
         )
 
-    # Each transform below is one batched product per head with its maps folded once
-    # (centre, balance, rotate and scale in a [head_dim, head_dim] matrix and an offset):
-    # a decode step runs them in every INT8 layer, where a chain of small ops per call cost
-    # more than the attention itself.
+    # Each transform below is one batched product per KV head with its maps folded once
+    # (centre, balance, rotate and scale in a [head_dim, head_dim] matrix and an offset): a
+    # decode step runs them in every INT8 layer, where a chain of small ops per call cost
+    # more than the attention itself. The maps are per KV head (a GQA group's query heads
+    # share theirs), so they add 4 · head_dim² · kv_heads · 4 bytes a layer at most.
+    # Centring after the product (x·M - mean·M) rounds a little differently from before it
+    # where keys sit far from zero; it is float32 throughout, never a reduced-precision
+    # matmul mode.
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_folded", {})  # maps by purpose and head count
+        object.__setattr__(self, "_folded", {})  # maps by purpose
 
-    def maps(self, name: str, heads: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(matrix, offset) of ``name`` (keys, values, query, output) for ``heads`` heads,
-        folded at the first call (also read by the CPU kernel that stores INT8 rows)."""
-        folded: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor | None]]
-        folded = self.__dict__["_folded"]
-        maps = folded.get((name, heads))
+    def maps(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(matrix [kv_heads, head_dim, head_dim], offset [kv_heads, 1, head_dim] or None)
+        of ``name`` (keys, values, query, output), contiguous float32, folded at the first
+        call (also read by the CPU kernel that stores INT8 rows)."""
+        folded: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = self.__dict__["_folded"]
+        maps = folded.get(name)
         if maps is None:
-            matrix, offset = self._fold(name, heads)
+            matrix, offset = self._fold(name)
             maps = (matrix.contiguous(), None if offset is None else offset.contiguous())
-            folded[(name, heads)] = maps
+            folded[name] = maps
         return maps
 
-    def _fold(self, name: str, heads: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _fold(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         rot = self.rotation
         if name == "keys":  # ((k - mean) * balance) @ R / scale
             matrix = self.k_balance[:, :, None] * rot / self.k_scale[:, None, :]
             return matrix, ((self.k_mean * self.k_balance) @ rot / self.k_scale)[:, None, :]
         if name == "values":  # (v - mean) @ R / scale
             return rot / self.v_scale[:, None, :], (self.v_mean @ rot / self.v_scale)[:, None, :]
-        group = heads // self.k_scale.shape[0]
-        if name == "query":  # (q / balance) @ R * scale, per query head
-            matrix = rot / self.k_balance[:, :, None] * self.k_scale[:, None, :]
-            return matrix.repeat_interleave(group, dim=0).contiguous(), None
-        # output: (out * scale) @ R^T + mean, per query head
-        matrix = self.v_scale[:, :, None] * rot.T
-        mean = self.v_mean[:, None, :].repeat_interleave(group, dim=0)
-        return matrix.repeat_interleave(group, dim=0).contiguous(), mean
+        if name == "query":  # (q / balance) @ R * scale
+            return rot / self.k_balance[:, :, None] * self.k_scale[:, None, :], None
+        # output: (out * scale) @ R^T + mean
+        return self.v_scale[:, :, None] * rot.T, self.v_mean[:, None, :]
 
     def quantize_keys(self, k: torch.Tensor) -> torch.Tensor:
         """k [kv_heads, tokens, head_dim] → int8 of the same shape."""
@@ -146,7 +146,7 @@ class Int8Params:
         return self._quantize(v, "values")
 
     def _quantize(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        matrix, offset = self.maps(name, x.shape[0])
+        matrix, offset = self.maps(name)
         assert offset is not None
         turned = torch.baddbmm(offset, x.float(), matrix, beta=-1)
         return turned.round_().clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8)
@@ -156,16 +156,34 @@ class Int8Params:
     # dtype would add a second error on top of the quantization's.
 
     def query(self, q: torch.Tensor) -> torch.Tensor:
-        """q [tokens, heads, head_dim] → the float32 query that scores the stored integers."""
-        matrix, _ = self.maps("query", q.shape[1])
-        return torch.bmm(q.float().transpose(0, 1), matrix).transpose(0, 1)
+        """q [tokens, heads, head_dim] → the float32 query that scores the stored integers
+        (contiguous, as the input was laid out)."""
+        matrix, _ = self.maps("query")
+        return _per_kv_head(q.float(), matrix, None)
 
     def output(self, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Float32 attention output over stored integers [tokens, heads, head_dim] → the
-        output over the values they stand for, in ``dtype``."""
-        matrix, mean = self.maps("output", out.shape[1])
-        assert mean is not None
-        return torch.baddbmm(mean, out.float().transpose(0, 1), matrix).transpose(0, 1).to(dtype)
+        output over the values they stand for, in ``dtype`` (contiguous)."""
+        matrix, mean = self.maps("output")
+        return _per_kv_head(out.float(), matrix, mean).to(dtype)
+
+
+def _per_kv_head(
+    x: torch.Tensor, matrix: torch.Tensor, offset: torch.Tensor | None
+) -> torch.Tensor:
+    """x [tokens, heads, head_dim] times its KV head's matrix (plus its offset), heads in
+    groups of heads / kv_heads adjacent ones; [tokens, heads, head_dim], contiguous."""
+    tokens, heads, dim = x.shape
+    kv_heads = matrix.shape[0]
+    grouped = x.reshape(tokens, kv_heads, heads // kv_heads, dim).permute(1, 0, 2, 3)
+    flat = grouped.reshape(kv_heads, -1, dim)
+    turned = flat @ matrix if offset is None else torch.baddbmm(offset, flat, matrix)
+    return (
+        turned.view(kv_heads, tokens, heads // kv_heads, dim)
+        .permute(1, 0, 2, 3)
+        .reshape(tokens, heads, dim)
+        .contiguous()
+    )
 
 
 def bytes_per_token(kind: KVDType, compute_dtype: torch.dtype, kv_heads: int, head_dim: int) -> int:

@@ -91,20 +91,36 @@ def _store_int8(
     params = cache.int8
     if (
         params is None
+        or not hasattr(library, "brook_kv_store_int8")  # a prebuilt library from before it
         or cache.k_shift is not None
         or k.device.type != "cpu"
         or cache.k.dtype != torch.int8
+        or v.shape != k.shape
+        or not (cache.k.is_contiguous() and cache.v.is_contiguous())
         or slots.dtype != torch.int64
         or not slots.is_contiguous()
+        or slots.shape != (k.shape[0],)
     ):
         return False
     tokens, kv_heads, dim = k.shape
+    if cache.k.shape[0] != kv_heads or cache.k.shape[2] != dim or cache.v.shape != cache.k.shape:
+        return False
+    plan = []
     for x, name, target in ((k, "keys", cache.k), (v, "values", cache.v)):
+        matrix, offset = params.maps(name)
+        if (
+            offset is None
+            or matrix.shape != (kv_heads, dim, dim)
+            or matrix.dtype != torch.float32
+            or matrix.device.type != "cpu"
+            or offset.shape != (kv_heads, 1, dim)
+        ):
+            return False
         rows = x.float()
         if rows.stride()[1:] != (dim, 1):
             rows = rows.contiguous()
-        matrix, offset = params.maps(name, kv_heads)
-        assert offset is not None
+        plan.append((rows, matrix, offset, target))
+    for rows, matrix, offset, target in plan:
         status = library.brook_kv_store_int8(
             rows.data_ptr(),
             matrix.data_ptr(),

@@ -290,8 +290,15 @@ def test_compile_errors_fall_back_to_eager(
     [
         {"quantization": {"weights": "w8a16"}},  # the int8 product inside brook::linear
         {"offload": {"policy": "static", "device_memory_limit_gb": 0.00066}},  # slots swap
+        {  # INT8 KV layers: their query and output maps inside brook::attention
+            "kv_cache": {
+                "layer_policies": [{"start": 0.0, "end": 1.0, "dtype": "int8"}],
+                "dynamic_precision": {"enabled": False},
+                "num_blocks": 64,
+            }
+        },
     ],
-    ids=["w8a16", "offload"],
+    ids=["w8a16", "offload", "int8-kv"],
 )
 def test_compiled_tokens_match_eager_with_w8a16_and_offload(
     options: dict[str, Any], make_tiny_model: Callable[..., Path], shared_cache: Path

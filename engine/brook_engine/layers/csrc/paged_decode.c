@@ -350,6 +350,7 @@ int brook_kv_store_int8(const float *x, const float *map, const float *offset, i
       int8_t *dst = cache + (h * slots + slot_ids[t]) * dim;
       for (int64_t j = 0; j < dim; j++) {
         float y = nearbyintf(acc[j] - off[j]);
+        y = y != y ? 0.0f : y; /* NaN: a defined code (a cast of NaN is not) */
         y = y > 127.0f ? 127.0f : (y < -127.0f ? -127.0f : y);
         dst[j] = (int8_t)y;
       }
