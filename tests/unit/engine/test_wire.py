@@ -177,6 +177,7 @@ def _step(**changes: Any) -> bytes:
         "released": [],
         "report": False,
         "blocking_sends": False,
+        "blocks": 0,
     }
     for path, value in changes.items():
         node = plan
@@ -198,7 +199,11 @@ _DROP = object()
     [
         (_step(extra=1), "StepPlan has no field extra"),
         (_step(report=_DROP), "StepPlan misses report"),
-        (_step(kind="exec"), r"message: kind: expected one of \['step', 'heartbeat', 'stop'\]"),
+        (
+            _step(kind="exec"),
+            r"message: kind: expected one of \['step', 'heartbeat', 'stop', 'offload_out', "
+            r"'offload_back'\]",
+        ),
         (_step(micro_batches="2"), "message: micro_batches: expected int, got '2'"),
         (_step(micro_batches=2.0), "expected int, got 2.0"),
         (_step(micro_batches=True), "expected int, got True"),
