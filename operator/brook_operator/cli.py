@@ -73,13 +73,14 @@ def _planned(
     from pathlib import Path
 
     from brook_engine.offload.command import read_config_file
-    from brook_operator.memory_plan import manifest_plan
+    from brook_operator.memory_plan import fitting_plan
 
     data = read_config_file(Path(model_config))
     fits: list[Manifest] = []
     for manifest in manifests:
         try:
-            plan = manifest_plan(LLMInference.model_validate(manifest.obj), data, device_memory_gb)
+            llmi = LLMInference.model_validate(manifest.obj)
+            plan = fitting_plan(llmi, data, device_memory_gb)
         except ConfigError as exc:
             print(f"{manifest.source}: {manifest.label}: spec.{exc}", file=sys.stderr)
             continue

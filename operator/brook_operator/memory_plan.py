@@ -40,16 +40,18 @@ def manifest_plan(
     return plan_for(config, model_config, target)
 
 
-def fitting_plan(llmi: LLMInference, model_config: dict[str, Any]) -> MemoryPlan:
+def fitting_plan(
+    llmi: LLMInference, model_config: dict[str, Any], device_memory_gb: float | None = None
+) -> MemoryPlan:
     """The plan to size ``llmi``'s pods by; ``ConfigError`` only where no dtype the engine
     may pick fits (on CPU ``dtype: auto`` is bfloat16 on nodes with AVX-512 BF16 or AMX and
     float32 elsewhere: the larger sizes the pods, the smaller decides whether it can run)."""
     try:
-        return manifest_plan(llmi, model_config, None)
+        return manifest_plan(llmi, model_config, device_memory_gb)
     except ConfigError:
         if llmi.spec.model.dtype != "auto" or llmi.spec.accelerator.type != "cpu":
             raise
-        return manifest_plan(llmi, model_config, None, dtype="bfloat16")
+        return manifest_plan(llmi, model_config, device_memory_gb, dtype="bfloat16")
 
 
 #: What one engine process holds besides weights and KV: Python, torch, the runtime's caches

@@ -94,14 +94,16 @@ _OPENER = urllib.request.build_opener(_SameServer())
 
 def read_config(url: str, timeout: float) -> dict[str, Any]:
     """GET ``url`` (redirects within its server followed, environment proxies used), at
-    most ``MAX_CONFIG_BYTES``, ``timeout`` per network operation; the JSON object it
-    holds."""
+    most ``MAX_CONFIG_BYTES``: ``timeout`` per network operation and, for the body, about
+    ``timeout`` overall (a receive at a time); the JSON object it holds. The endpoint is the
+    operator's own setting, never a resource's, so its headers get only the standard
+    library's bounds."""
     deadline = time.monotonic() + timeout
     request = urllib.request.Request(url, headers={"Accept": "application/json"})
     try:
         with _OPENER.open(request, timeout=timeout) as response:
             body = b""
-            while chunk := response.read(64 * 1024):
+            while chunk := response.read1(64 * 1024):  # one receive: the deadline holds
                 body += chunk
                 if len(body) > MAX_CONFIG_BYTES:
                     raise ConfigUnreadable(f"{url}: larger than {MAX_CONFIG_BYTES} bytes")

@@ -43,16 +43,16 @@ def _lut(dtype: torch.dtype) -> torch.Tensor:
 
 
 def store(cache: LayerKVCache, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """``cache.write(slots, k, v)`` by the C kernel where the cache holds k and v as they are
-    (their own type, no shift, scales or INT8 encoding): a memcpy per token and head instead
-    of two ``index_copy_`` calls. False, with nothing written, where it does not apply."""
+    """``cache.write(slots, k, v)`` by a C kernel: where the cache holds k and v as they are
+    (their own type, no shift or scales) a memcpy per token and head instead of two
+    ``index_copy_`` calls; an INT8 layer's rows turned and rounded in one pass. False, with
+    nothing written, where it does not apply."""
     library = cpu_kernels.library()
     if library is not None and cache.int8 is not None:
         return _store_int8(library, cache, slots, k, v)
     if (
         library is None
         or cache.k_shift is not None
-        or cache.int8 is not None
         or cache.k_scale is not None
         or k.dtype != cache.k.dtype
         or v.dtype != k.dtype

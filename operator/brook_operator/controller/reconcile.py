@@ -235,7 +235,11 @@ class Reconciler:
         resources = llmi.spec.resources
         if "memory" in resources.requests or "memory" in resources.limits:
             return llmi, None
-        if request is None and self.model_configs is not None:
+        if (
+            request is None
+            and self.model_configs is not None
+            and llmi.spec.model.uri.startswith("hf://")
+        ):  # a plan that could not be had this round: the request it gave before stays
             request = self._engine_memory_request(llmi)
         return with_memory_request(llmi, request), None
 

@@ -353,3 +353,47 @@ def test_protocol_errors_and_foreign_redirects_are_unreadable_not_raised(
         read_config(redirect + "/config.json", timeout=2)
     for endpoint in (garbage, short, redirect):  # nothing escapes to the reconciler
         assert ModelConfigs(endpoint).get(f"hf://{REPO}", None) is None
+
+
+def test_a_dripping_body_is_cut_at_the_deadline() -> None:
+    """One byte every 0.3 s never trips a 1 s timeout per receive; the overall one does."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def drip() -> None:
+        connection, _ = listener.accept()
+        with connection:
+            connection.recv(65536)
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n")
+            while not stop.wait(0.3):
+                try:
+                    connection.sendall(b" ")
+                except OSError:
+                    return
+
+    threading.Thread(target=drip, daemon=True).start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(ConfigUnreadable, match="not read within"):
+            read_config(f"http://127.0.0.1:{listener.getsockname()[1]}/config.json", timeout=1)
+    finally:
+        stop.set()
+        listener.close()
+    assert time.monotonic() - started < 3
+
+
+def test_other_sources_keep_no_earlier_request(smollm2_hub: hub.Hub) -> None:
+    """Only an hf:// plan that could not be had keeps the request it gave before: a pvc://
+    resource whose spec sets none gets none (and the workload is not even read)."""
+
+    class NoReads:
+        def get(self, *args: object) -> dict[str, Any]:
+            raise AssertionError("the workload was read")
+
+    reconciler = Reconciler(kube=NoReads(), model_configs=ModelConfigs(smollm2_hub.url))  # type: ignore[arg-type]
+    pvc = _resource(
+        model={"uri": "pvc://models/SmolLM2", "dtype": "float32", "maxModelLen": 512},
+        resources={"requests": {"cpu": "2"}},
+    )
+    planned, refusal = reconciler.planned(pvc)
+    assert refusal is None and planned.spec.resources.requests == {"cpu": "2"}
