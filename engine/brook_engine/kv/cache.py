@@ -102,31 +102,39 @@ class Int8Params:
             balance,
         )
 
-    # Each transform below is one batched product per KV head with its maps folded once
-    # (centre, balance, rotate and scale in a [head_dim, head_dim] matrix and an offset): a
-    # decode step runs them in every INT8 layer, where a chain of small ops per call cost
-    # more than the attention itself. The maps are per KV head (a GQA group's query heads
-    # share theirs), so they add 4 · head_dim² · kv_heads · 4 bytes a layer at most.
+    # Each transform below is one batched product with its maps folded once (centre,
+    # balance, rotate and scale in a [head_dim, head_dim] matrix and an offset): a decode
+    # step runs them in every INT8 layer, where a chain of small ops per call cost more than
+    # the attention itself. Keys and values are mapped per KV head; the query and the output
+    # per query head (a GQA group's heads hold copies of their KV head's map: regrouping the
+    # heads on every call cost more than the product), 8 · heads · head_dim² bytes a layer.
     # Centring after the product (x·M - mean·M) rounds a little differently from before it
     # where keys sit far from zero; it is float32 throughout, never a reduced-precision
     # matmul mode.
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_folded", {})  # maps by purpose
+        object.__setattr__(self, "_folded", {})  # maps by purpose and head count
 
-    def maps(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(matrix [kv_heads, head_dim, head_dim], offset [kv_heads, 1, head_dim] or None)
-        of ``name`` (keys, values, query, output), contiguous float32, folded at the first
-        call (also read by the CPU kernel that stores INT8 rows)."""
-        folded: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = self.__dict__["_folded"]
-        maps = folded.get(name)
+    def maps(self, name: str, heads: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(matrix [n, head_dim, head_dim], offset [n, 1, head_dim] or None) of ``name``:
+        keys and values per KV head (n = kv_heads; also read by the CPU kernel that stores
+        INT8 rows), query and output per query head (n = ``heads``). Contiguous float32,
+        folded at the first call."""
+        folded: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor | None]]
+        folded = self.__dict__["_folded"]
+        maps = folded.get((name, heads))
         if maps is None:
             matrix, offset = self._fold(name)
+            if name in ("query", "output"):
+                group = heads // self.k_scale.shape[0]
+                matrix = matrix.repeat_interleave(group, dim=0)
+                offset = None if offset is None else offset.repeat_interleave(group, dim=0)
             maps = (matrix.contiguous(), None if offset is None else offset.contiguous())
-            folded[name] = maps
+            folded[(name, heads)] = maps
         return maps
 
     def _fold(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per KV head."""
         rot = self.rotation
         if name == "keys":  # ((k - mean) * balance) @ R / scale
             matrix = self.k_balance[:, :, None] * rot / self.k_scale[:, None, :]
@@ -157,33 +165,17 @@ class Int8Params:
 
     def query(self, q: torch.Tensor) -> torch.Tensor:
         """q [tokens, heads, head_dim] → the float32 query that scores the stored integers
-        (contiguous, as the input was laid out)."""
-        matrix, _ = self.maps("query")
-        return _per_kv_head(q.float(), matrix, None)
+        (contiguous)."""
+        matrix, _ = self.maps("query", q.shape[1])
+        return torch.bmm(q.float().transpose(0, 1), matrix).transpose(0, 1).contiguous()
 
     def output(self, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Float32 attention output over stored integers [tokens, heads, head_dim] → the
         output over the values they stand for, in ``dtype`` (contiguous)."""
-        matrix, mean = self.maps("output")
-        return _per_kv_head(out.float(), matrix, mean).to(dtype)
-
-
-def _per_kv_head(
-    x: torch.Tensor, matrix: torch.Tensor, offset: torch.Tensor | None
-) -> torch.Tensor:
-    """x [tokens, heads, head_dim] times its KV head's matrix (plus its offset), heads in
-    groups of heads / kv_heads adjacent ones; [tokens, heads, head_dim], contiguous."""
-    tokens, heads, dim = x.shape
-    kv_heads = matrix.shape[0]
-    grouped = x.reshape(tokens, kv_heads, heads // kv_heads, dim).permute(1, 0, 2, 3)
-    flat = grouped.reshape(kv_heads, -1, dim)
-    turned = flat @ matrix if offset is None else torch.baddbmm(offset, flat, matrix)
-    return (
-        turned.view(kv_heads, tokens, heads // kv_heads, dim)
-        .permute(1, 0, 2, 3)
-        .reshape(tokens, heads, dim)
-        .contiguous()
-    )
+        matrix, mean = self.maps("output", out.shape[1])
+        assert mean is not None
+        turned = torch.baddbmm(mean, out.float().transpose(0, 1), matrix)
+        return turned.transpose(0, 1).contiguous().to(dtype)
 
 
 def bytes_per_token(kind: KVDType, compute_dtype: torch.dtype, kv_heads: int, head_dim: int) -> int:
