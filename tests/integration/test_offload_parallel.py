@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 import pytest
+from tests.support.adaptive_offload import calm_until_restored, quick_policy, run_under_pressure
 from tests.support.greedy_reference import random_prompts
 from tests.support.parallel_llm import parallel_llm
 
@@ -92,31 +93,19 @@ def test_adaptive_offload_moves_every_ranks_weights_in_step(
     )
     try:
         engine = llm.engine
-        policy = engine.adaptive
-        assert policy is not None
-        policy.pressure_steps, policy.calm_steps, policy.cooldown_steps = 2, 6, 3
+        policy = quick_policy(engine)
         state = engine.runner.model.offload
         assert state is not None and not state.streamed  # the budget holds every weight
-        for i, prompt in enumerate(prompts):
-            engine.add_request(f"p{i}", prompt, params)
-        got: dict[str, list[int]] = {}
-        most_blocks = 8
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    got[out.request_id] = list(out.outputs[0].token_ids)
-            assert state.ledger.held <= state.ledger.budget
-            most_blocks = max(most_blocks, engine.block_manager.num_blocks)
-            assert engine.runner.num_blocks == engine.block_manager.num_blocks
-        assert [got[f"p{i}"] for i in range(len(prompts))] == expected
+
+        def held() -> int:
+            return state.ledger.held
+
+        got, most_blocks = run_under_pressure(engine, prompts, params, held, state.ledger.budget)
+        assert got == expected
         # the table grows by the smallest share any rank freed: every rank moved weights
         assert policy.counters.offloaded >= 1 and most_blocks > 8
-        for i in range(40):  # pressure gone: one short request at a time
-            engine.add_request(f"calm{i}", prompts[0][:5], SamplingParams(max_tokens=4))
-            while engine.has_unfinished_requests():
-                engine.step()
-            if not policy.evicted:
-                break
+        # pressure gone: one short request at a time
+        calm_until_restored(engine, prompts[0][:5], held, state.ledger.budget)
         assert policy.counters.restored == policy.counters.offloaded
         assert engine.block_manager.num_blocks == engine.runner.num_blocks == 8
         assert not state.streamed
@@ -159,9 +148,7 @@ def test_adaptive_offload_moves_nothing_where_a_rank_cannot_pay(make_tiny_model:
         **options,
     )
     try:
-        policy = llm.engine.adaptive
-        assert policy is not None
-        policy.pressure_steps, policy.calm_steps, policy.cooldown_steps = 2, 6, 3
+        policy = quick_policy(llm.engine)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert [list(o.outputs[0].token_ids) for o in outputs] == expected
         assert policy.exhausted  # it tried once, every rank undid it, and it stopped trying

@@ -128,6 +128,13 @@ def wait_status(
     return wait_for(cluster, read, f"{name}: {message}")
 
 
+def wait_condition(cluster: Cluster, name: str, kind: str, status: str) -> dict[str, Any]:
+    """The resource once its condition ``kind`` has ``status`` ("True" or "False")."""
+    return wait_status(
+        cluster, name, lambda o: condition(o, kind).get("status") == status, f"{kind}={status}"
+    )
+
+
 # -- scenarios -------------------------------------------------------------------------------
 
 

@@ -117,12 +117,7 @@ def test_invalid_spec_gets_spec_valid_false_and_no_children(
     bad = scenarios.manifest("tiny-cpu", NAMESPACE, parallel={"tensor": 0})
     bad["metadata"]["name"] = "broken"
     cluster.api.create(bad)
-    llmi = scenarios.wait_status(
-        cluster,
-        "broken",
-        lambda o: scenarios.condition(o, "SpecValid").get("status") == "False",
-        "SpecValid=False",
-    )
+    llmi = scenarios.wait_condition(cluster, "broken", "SpecValid", "False")
     valid = scenarios.condition(llmi, "SpecValid")
     assert valid["reason"] == "InvalidSpec"
     assert "spec.parallel.tensor" in valid["message"]
@@ -171,12 +166,7 @@ def test_a_memory_plan_that_cannot_fit_is_refused_before_any_pod(
         )
         try:
             scenarios.apply(cluster, manifest)
-            llmi = scenarios.wait_status(
-                cluster,
-                "tiny-cpu",
-                lambda o: scenarios.condition(o, "SpecValid").get("status") == "False",
-                "SpecValid=False",
-            )
+            llmi = scenarios.wait_condition(cluster, "tiny-cpu", "SpecValid", "False")
             spec_valid = scenarios.condition(llmi, "SpecValid")
             assert spec_valid["reason"] == "PlanDoesNotFit"
             assert "spec.offload.deviceMemoryLimitGb" in spec_valid["message"]
@@ -199,12 +189,7 @@ def test_a_memory_plan_that_cannot_fit_is_refused_before_any_pod(
             expected = memory_request(fitting, fitting_plan(fitting, config))
             assert engine["resources"]["requests"]["memory"] == expected
             assert 1024 < int(expected.removesuffix("Mi")) < 4096  # SmolLM2 float32 + 1 GiB
-            llmi = scenarios.wait_status(
-                cluster,
-                "tiny-cpu",
-                lambda o: scenarios.condition(o, "SpecValid").get("status") == "True",
-                "SpecValid=True",
-            )
+            llmi = scenarios.wait_condition(cluster, "tiny-cpu", "SpecValid", "True")
             # one read of the config for both rounds
             assert served.paths.count(f"GET /{repo}/resolve/main/config.json") == 1
         finally:
@@ -220,12 +205,7 @@ def test_missing_leader_worker_set_is_degraded(
     cluster = EmulatedCluster(kube_api, NAMESPACE)  # no LeaderWorkerSet CRD here
     with _resyncing_operator(kube_api, tmp_path) as process:
         scenarios.apply(cluster, scenarios.manifest("qwen-110b-npu-tp4-pp2", NAMESPACE))
-        llmi = scenarios.wait_status(
-            cluster,
-            "qwen-110b",
-            lambda o: scenarios.condition(o, "Degraded").get("status") == "True",
-            "Degraded",
-        )
+        llmi = scenarios.wait_condition(cluster, "qwen-110b", "Degraded", "True")
         assert scenarios.condition(llmi, "Degraded")["reason"] == "LeaderWorkerSetMissing"
         # What does not need LeaderWorkerSet is still there.
         assert scenarios.get(cluster, "configmap", "qwen-110b-engine") is not None
@@ -236,12 +216,7 @@ def test_missing_leader_worker_set_is_degraded(
         scenarios.wait_for(
             cluster, lambda: scenarios.get(cluster, "leaderworkerset", "qwen-110b"), "the LWS"
         )
-        scenarios.wait_status(
-            cluster,
-            "qwen-110b",
-            lambda o: scenarios.condition(o, "Degraded").get("status") == "False",
-            "Degraded=False",
-        )
+        scenarios.wait_condition(cluster, "qwen-110b", "Degraded", "False")
 
 
 def test_killed_mid_reconcile_resumes_without_duplicates(
@@ -379,12 +354,7 @@ def test_status_says_why_replicas_are_not_ready(
         # the pods recover (new image, fixed model, a node added): the reasons go
         for name in ("tiny-cpu-a", "tiny-cpu-b", "tiny-cpu-c"):
             kube_api.delete("pods", name, NAMESPACE)
-        llmi = scenarios.wait_status(
-            cluster,
-            "tiny-cpu",
-            lambda o: scenarios.condition(o, "Stalled").get("status") == "False",
-            "Stalled=False",
-        )
+        llmi = scenarios.wait_condition(cluster, "tiny-cpu", "Stalled", "False")
         assert scenarios.condition(llmi, "Ready")["reason"] == "ReplicasNotReady"
         assert scenarios.condition(llmi, "Reconciling")["status"] == "True"
 
@@ -504,12 +474,7 @@ def test_router_renders_the_inference_pool_and_route_once_their_apis_exist(
             cluster, lambda: kube_api.get("httproutes", "tiny-cpu", NAMESPACE), "the route"
         )
         assert route["spec"]["rules"][0]["backendRefs"][0]["kind"] == "InferencePool"
-        scenarios.wait_status(
-            cluster,
-            "tiny-cpu",
-            lambda o: scenarios.condition(o, "Degraded").get("status") == "False",
-            "Degraded=False",
-        )
+        scenarios.wait_condition(cluster, "tiny-cpu", "Degraded", "False")
         without_route = {"endpointPicker": {"name": "tiny-epp"}}
         scenarios.apply(cluster, scenarios.manifest("tiny-cpu", NAMESPACE, router=without_route))
         scenarios.wait_for(

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
+from tests.support.adaptive_offload import calm_until_restored, quick_policy, run_under_pressure
 from tests.support.greedy_reference import random_prompts
 from tests.support.parallel_llm import EXACT_KV
 
@@ -256,34 +257,20 @@ def test_adaptive_moves_weights_out_under_kv_pressure_and_back_after(
     )
     try:
         engine = llm.engine
-        policy = engine.adaptive
-        assert policy is not None
-        policy.pressure_steps, policy.calm_steps, policy.cooldown_steps = 2, 6, 3
+        policy = quick_policy(engine)
         ledger = engine.runner.model.offload.ledger
         planned = list(engine.runner.model.offload.streamed)
         assert bool(planned) == (fraction < 1.0)  # the static plan adaptive starts from
-        for i, prompt in enumerate(prompts):
-            engine.add_request(f"p{i}", prompt, params)
-        got: dict[str, list[int]] = {}
-        most_blocks = 8
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    got[out.request_id] = list(out.outputs[0].token_ids)
-            assert _held_weight_bytes(llm) <= ledger.budget
-            most_blocks = max(most_blocks, engine.block_manager.num_blocks)
-            assert engine.runner.num_blocks == engine.block_manager.num_blocks
-        assert [got[f"p{i}"] for i in range(len(prompts))] == expected
+
+        def held() -> int:
+            return _held_weight_bytes(llm)
+
+        got, most_blocks = run_under_pressure(engine, prompts, params, held, ledger.budget)
+        assert got == expected
         assert policy.counters.offloaded >= 1 and most_blocks > 8  # weights out, KV in
         assert len(engine.runner.model.offload.streamed) > len(planned) or policy.counters.restored
         # pressure gone: one short request at a time, until every piece is back
-        for i in range(40):
-            engine.add_request(f"calm{i}", prompts[0][:5], SamplingParams(max_tokens=4))
-            while engine.has_unfinished_requests():
-                engine.step()
-                assert _held_weight_bytes(llm) <= ledger.budget
-            if not policy.evicted:
-                break
+        calm_until_restored(engine, prompts[0][:5], held, ledger.budget)
         assert policy.counters.restored == policy.counters.offloaded
         assert engine.block_manager.num_blocks == 8
         assert sorted(engine.runner.model.offload.streamed) == sorted(planned)
