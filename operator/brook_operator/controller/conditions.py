@@ -119,8 +119,14 @@ OWN_FIELDS = (
 )
 
 
+#: Why SpecValid is False: a spec the operator's models refuse, or a valid one whose memory
+#: plan cannot run (an hf:// model's config.json read from the Hub).
+INVALID_SPEC = "InvalidSpec"
+PLAN_DOES_NOT_FIT = "PlanDoesNotFit"
+
+
 def invalid_status(
-    body: dict[str, Any], message: str, now: str | None = None, reason: str = "InvalidSpec"
+    body: dict[str, Any], message: str, now: str | None = None, reason: str = INVALID_SPEC
 ) -> dict[str, Any]:
     """Status of a resource whose spec the operator cannot run: SpecValid and Ready False,
     the rest of this writer's fields as they were (the children are left as they were)."""

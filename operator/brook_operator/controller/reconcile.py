@@ -28,6 +28,7 @@ from brook_operator.api import API_VERSION, KIND, LLMInference, topology
 from brook_operator.controller.conditions import (
     OWN_CONDITIONS,
     OWN_FIELDS,
+    PLAN_DOES_NOT_FIT,
     Observed,
     compute_status,
     conditions_by_type,
@@ -50,12 +51,10 @@ from brook_operator.render import (
 from brook_operator.render.labels import INSTANCE_LABEL, selector_labels
 from brook_operator.render.pod import ENGINE_CONTAINER
 from brook_operator.render.router import router_children
-from brook_operator.render.workload import LWS_API_VERSION
+from brook_operator.render.workload import LWS_API_VERSION, pod_templates
 
 log = logging.getLogger(__name__)
 
-#: SpecValid's reason when the spec is valid but its memory plan cannot run.
-PLAN_REFUSED = "PlanDoesNotFit"
 #: Kinds whose ``spec.replicas`` another manager may own (an HPA scales them).
 _WORKLOADS = ("Deployment", "LeaderWorkerSet")
 #: Degraded reasons a status refresh keeps (only a reconciliation finds them resolved).
@@ -125,7 +124,7 @@ class Reconciler:
             log.warning(
                 "%s/%s: the memory plan does not fit, nothing applied: %s", namespace, name, refusal
             )
-            status = invalid_status(body, refusal, reason=PLAN_REFUSED)
+            status = invalid_status(body, refusal, reason=PLAN_DOES_NOT_FIT)
             self._write_status(namespace, name, status)
             return ReconcileResult(status=status)
         result = ReconcileResult(status={})
@@ -278,13 +277,8 @@ class Reconciler:
             workload = self.read_workload(llmi)
         except KubeError:
             return None
-        spec = (workload or {}).get("spec") or {}
-        templates = [spec.get("template")] + [
-            (spec.get("leaderWorkerTemplate") or {}).get(part)
-            for part in ("leaderTemplate", "workerTemplate")
-        ]
-        for template in templates:
-            for container in ((template or {}).get("spec") or {}).get("containers") or []:
+        for template in pod_templates(workload):
+            for container in (template.get("spec") or {}).get("containers") or []:
                 if container.get("name") == ENGINE_CONTAINER:
                     memory = ((container.get("resources") or {}).get("requests") or {}).get(
                         "memory"

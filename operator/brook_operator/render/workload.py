@@ -100,4 +100,13 @@ def workload(llmi: LLMInference, settings: OperatorSettings, replicas: int) -> d
     return leader_worker_set(llmi, settings, replicas)
 
 
-__all__ = ["ROLE_LABEL", "desired_replicas", "workload", "workload_name"]
+def pod_templates(obj: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The pod templates of a workload as read back (a Deployment's one, a LeaderWorkerSet's
+    leader and worker templates); empty for anything else or a missing part."""
+    spec = (obj or {}).get("spec") or {}
+    group = spec.get("leaderWorkerTemplate") or {}
+    found = [spec.get("template"), group.get("leaderTemplate"), group.get("workerTemplate")]
+    return [template for template in found if isinstance(template, dict)]
+
+
+__all__ = ["ROLE_LABEL", "desired_replicas", "pod_templates", "workload", "workload_name"]
