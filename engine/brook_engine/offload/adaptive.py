@@ -90,13 +90,12 @@ class RankMover:
         log.info("weight offload (adaptive): %s now stream", _names(chosen))
         return before - self.state.ledger.held
 
-    def move_back(self) -> list[Key]:
-        """Make the pieces of the last change out resident again; returns them."""
+    def move_back(self) -> None:
+        """Make the pieces of the last change out resident again."""
         chosen = self.moved.pop()
         if chosen:
             self.state.restore_many(chosen)
             log.info("weight offload (adaptive): %s resident again", _names(chosen))
-        return chosen
 
 
 class AdaptivePolicy:
@@ -114,7 +113,7 @@ class AdaptivePolicy:
         move_out: Callable[[], int | None],
         move_back: Callable[[int], bool],
         describe: Callable[[], str],
-        can_give_back: Callable[[int], bool] = lambda blocks: True,
+        can_give_back: Callable[[int], bool],
     ) -> None:
         self.move_out = move_out
         self.move_back = move_back
