@@ -14,7 +14,7 @@ from torch import nn
 
 from brook_engine.host import cpu_features
 from brook_engine.layers import cpu_kernels
-from brook_engine.layers.linear import Linear
+from brook_engine.layers.linear import Linear, weight_shape
 from brook_engine.layers.tensor_parallel import VocabParallelHead
 from brook_engine.quant.linear import Int8Linear
 
@@ -79,7 +79,7 @@ def _products(model: nn.Module) -> list[tuple[nn.Module, int, int]]:
         if isinstance(module, Linear | Int8Linear):
             found.append((module, module.in_features, module.out_features))
         elif isinstance(module, VocabParallelHead):
-            rows, hidden = module.weight.shape
+            rows, hidden = weight_shape(module.weight)
             found.append((module, hidden, rows))
     return found
 

@@ -26,7 +26,7 @@ from torch import nn
 from tqdm import tqdm
 
 from brook_engine.config import ConfigError
-from brook_engine.layers.linear import dense
+from brook_engine.layers.linear import dense, weight_shape
 from brook_engine.models.loader import placements
 from brook_engine.quant.gptq import HessianAccumulator, gptq_quantize
 from brook_engine.quant.quantize import QuantizedWeight
@@ -152,7 +152,7 @@ def _measure(
 def _width(module: nn.Module) -> int:
     weight = module.weight
     assert isinstance(weight, torch.Tensor)
-    return int(weight.shape[1])  # a packed weight keeps its logical shape
+    return weight_shape(weight)[1]
 
 
 def _weight(module: nn.Module) -> torch.Tensor:

@@ -2,15 +2,15 @@
 
 The sources in ``csrc/`` (decode attention over the paged cache, the fused element-wise
 steps of a decoder layer, the one-row product of a 16-bit weight, the int8-weight product of
-W8A16) are compiled together at first use with the machine's ``cc`` (``-O3 -march=native
--fopenmp``, a few seconds) into a cache directory keyed by the sources, the compiler and the
-CPU. The OpenMP runtime the library links against
-is the one torch has already loaded, so the two never keep rival thread pools. Where no
-compiler is installed (the engine image), a copy built for a baseline CPU when the package
-was installed (``python -m brook_engine.layers.cpu_kernels --prebuild``) is loaded if this
-CPU has what it was built for. Without either, or with ``BROOK_CPU_KERNELS=off`` (which also
-keeps linear weights plain), every caller runs its portable PyTorch path and the reason is
-logged once.
+W8A16, the float32 product over Brook's packed layout) are compiled together at first use
+with the machine's ``cc`` (``-O3 -march=native -fopenmp``, a few seconds) into a cache
+directory keyed by the sources, the compiler and the CPU. The OpenMP runtime the library
+links against is the one torch has already loaded, so the two never keep rival thread
+pools. Where no compiler is installed (the engine image), a copy built for a baseline CPU
+when the package was installed (``python -m brook_engine.layers.cpu_kernels --prebuild``)
+is loaded if this CPU has what it was built for. Without either, or with
+``BROOK_CPU_KERNELS=off`` (which also keeps linear weights plain), every caller runs its
+portable PyTorch path and the reason is logged once.
 
 ``BROOK_CPU_ISA`` (``c``, ``avx2``, ``avx512``, ``avx512bf16``; default: the best the CPU has)
 caps the vector path every kernel takes, so one machine measures and tests what a smaller
@@ -42,6 +42,7 @@ _SOURCES: tuple[Path, ...] = (
     _CSRC / "fused_ops.c",
     _CSRC / "one_row.c",
     _CSRC / "int8_matmul.c",
+    _CSRC / "f32_matmul.c",
     _CSRC / "decode_layer.c",
 )
 # What is tried when everything does not build: a compiler without AVX512-BF16 intrinsics
@@ -214,6 +215,11 @@ def _declare(opened: ctypes.CDLL) -> None:
         # x, packed, scales, bias, out, rows, out_features, in_features, group, kind, isa,
         # threads
         "brook_int8_matmul": (i32, [p] * 5 + [i64] * 4 + [i32, i32, i32]),
+        # w, packed, out_features, in_features, threads
+        "brook_f32_pack": (None, [p, p, i64, i64, i32]),
+        "brook_f32_isa": (i32, [i32]),
+        # x, packed, bias, out, rows, out_features, in_features, isa, threads
+        "brook_f32_matmul": (None, [p] * 4 + [i64] * 3 + [i32, i32]),
     }
     for name, (restype, argtypes) in signatures.items():
         if not hasattr(opened, name):  # an optional kernel that did not build

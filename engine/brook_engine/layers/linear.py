@@ -1,14 +1,23 @@
-"""Linear layers: oneDNN-packed weights on CPU, and an optional copy for one-row products.
+"""Linear layers: packed weights on CPU, and an optional copy for one-row products.
 
 **Packed weights.** On CPU the runner reorders every linear weight once, after loading, into
-oneDNN's blocked layout for its matrix-multiply kernels (``pack_cpu_weights``), the layout
-vLLM's CPU backend also runs on. The products read the same values in the order the kernels
-want them: 2-3x the rate of ``F.linear`` on a plain weight for decode batches of 8-64 rows,
-1.4x for 2,048-row prefill chunks, 2x for one row (float32, AVX-512 host, 2 threads; bfloat16
-alike). The packed weight replaces the plain one (no extra memory), except where a weight is
-shared (an LM head tied to the embedding keeps the table and gains a packed copy). Results
-differ from ``F.linear``'s by float rounding of the sums' order. ``BROOK_CPU_KERNELS=off``
-keeps the plain weights.
+the layout its products read fastest (``pack_cpu_weights``); the packed weight replaces the
+plain one (no extra memory), except where a weight is shared (an LM head tied to the
+embedding keeps the table and gains a packed copy). ``BROOK_CPU_KERNELS=off`` keeps the
+plain weights.
+
+- Float32 weights whose output count is a multiple of 32 take Brook's own layout
+  (``cpu_matmul``: pairs of 16-channel tiles, one kernel for every row count). Against
+  oneDNN's inner product on oneDNN's packed layout, which stock PyTorch and the previous
+  default run: 1.1-1.6x at 1-64 rows, even (0.97-1.0x) on 2,048-row prefill chunks
+  (``tests/bench/small_m_rate.py``). The kernel sums every output in input order, so a
+  product's row does not depend on the rows beside it.
+- BF16 weights (on CPUs that multiply BF16 natively) and float32 weights of other shapes
+  take oneDNN's blocked layout, the one vLLM's CPU backend runs on: 2-3x the rate of
+  ``F.linear`` on a plain weight for decode batches of 8-64 rows, 1.4x for 2,048-row
+  prefill chunks.
+
+Results differ from ``F.linear``'s by float rounding of the sums' order.
 
 **One-row products.** A step with a single token row — one sequence decoding — multiplies
 one row by every weight matrix: a pure stream of the weights from memory, where oneDNN's and
@@ -39,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from brook_engine.layers import cpu_fused, cpu_kernels
+from brook_engine.layers import cpu_fused, cpu_kernels, cpu_matmul
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +57,26 @@ _overflow_logged = False
 
 
 def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for a plain or a oneDNN-packed ``weight``."""
+    """``F.linear(x, weight, bias)`` for a plain, oneDNN-packed or Brook-packed ``weight``."""
     if weight.is_mkldnn:
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
         return out
+    if cpu_matmul.is_packed(weight):
+        return cpu_matmul.matmul(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def is_packed(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is in a packed layout (oneDNN's or Brook's), not [out, in]."""
+    return weight.is_mkldnn or cpu_matmul.is_packed(weight)
+
+
+def weight_shape(weight: torch.Tensor) -> tuple[int, int]:
+    """A weight's [out, in], whatever its layout."""
+    if cpu_matmul.is_packed(weight):
+        return cpu_matmul.logical_shape(weight)
+    out, inn = weight.shape
+    return int(out), int(inn)
 
 
 def one_row_linear(
@@ -69,7 +93,7 @@ def one_row_linear(
     if x.shape[0] != 1:
         return product(x, weight, bias)
     plain = one_row if one_row is not None else weight
-    if not plain.is_mkldnn and plain.dtype in cpu_fused.ONE_ROW_WEIGHTS:
+    if not is_packed(plain) and plain.dtype in cpu_fused.ONE_ROW_WEIGHTS:
         y = cpu_fused.one_row(x.contiguous(), plain, bias)
         if y is not None:
             return y
@@ -90,7 +114,7 @@ def one_row_linear(
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose weight may be oneDNN-packed, with an optional copy of it for
+    """``nn.Linear`` whose weight may be packed, with an optional copy of it for
     one-row inputs (a plain attribute, not a parameter: checkpoints and ``parameters()``
     never see it)."""
 
@@ -104,28 +128,32 @@ class Linear(nn.Linear):
 
 def dense(weight: torch.Tensor) -> torch.Tensor:
     """A weight in the plain layout (a packed one reordered back)."""
-    return weight.to_dense() if weight.is_mkldnn else weight
+    if weight.is_mkldnn:
+        return weight.to_dense()
+    return cpu_matmul.unpack(weight) if cpu_matmul.is_packed(weight) else weight
 
 
 def cpu_packing_supported(dtype: torch.dtype) -> bool:
-    """Whether weights of ``dtype`` get packed on this CPU: float32 wherever oneDNN is
-    built in, bfloat16 where the CPU multiplies it natively (otherwise oneDNN emulates it,
-    and one row reads the plain weight faster), nothing with ``BROOK_CPU_KERNELS=off``."""
+    """Whether weights of ``dtype`` get packed on this CPU: float32 wherever Brook's kernels
+    or oneDNN run, bfloat16 where the CPU multiplies it natively (otherwise oneDNN emulates
+    it, and one row reads the plain weight faster), nothing with ``BROOK_CPU_KERNELS=off``."""
     if os.environ.get("BROOK_CPU_KERNELS", "").lower() == "off":
         return False
-    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
-        return False
+    onednn = bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
     if dtype == torch.float32:
-        return True
+        return onednn or cpu_kernels.library() is not None
+    if not onednn:
+        return False
     if dtype != torch.bfloat16 or cpu_kernels.isa_limit() < cpu_kernels.ISA_LEVELS["avx512bf16"]:
         return False  # BROOK_CPU_ISA below avx512bf16 measures a CPU without native BF16
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def pack_cpu_weights(model: nn.Module) -> int:
-    """Reorder the weight of every ``Linear`` and LM head of ``model`` (on CPU) into oneDNN's
-    packed layout. A weight that another module shares (a tied LM head's embedding table)
-    stays plain and the module gets a packed copy; returns the bytes such copies take."""
+    """Reorder the weight of every ``Linear`` and LM head of ``model`` (on CPU) into a packed
+    layout: Brook's for float32 weights it takes, oneDNN's otherwise. A weight that another
+    module shares (a tied LM head's embedding table) stays plain and the module gets a packed
+    copy; returns the bytes such copies take."""
     holders: dict[int, int] = {}
     for module in model.modules():
         for param in module.parameters(recurse=False):
@@ -139,11 +167,16 @@ def pack_cpu_weights(model: nn.Module) -> int:
             continue  # a W8A16 head multiplies by its int8 copy
         if getattr(module, "streamed", False):
             continue  # an offloaded piece: its slot holds the plain layout
-        if weight.is_mkldnn or weight.device.type != "cpu" or weight.dim() != 2:
+        if is_packed(weight) or weight.device.type != "cpu" or weight.dim() != 2:
             continue
         if not cpu_packing_supported(weight.dtype):
             continue
-        reordered = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        if cpu_matmul.packs(weight):
+            reordered = cpu_matmul.pack(weight)
+        elif torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+            reordered = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        else:
+            continue
         if holders[id(weight)] > 1:
             module.packed = reordered
             added += weight.numel() * weight.element_size()
@@ -162,7 +195,7 @@ def keep_one_row_copies(model: nn.Module, dtype: torch.dtype) -> int:
         weight = getattr(module, "weight", None)
         if hasattr(module, "one_row") and isinstance(weight, torch.Tensor):
             plain = weight.detach()
-            if plain.is_mkldnn or plain.dtype != dtype or not plain.is_contiguous():
+            if is_packed(plain) or plain.dtype != dtype or not plain.is_contiguous():
                 plain = dense(plain).to(dtype).contiguous()
                 if not bool(plain.isfinite().all()):
                     log.warning(

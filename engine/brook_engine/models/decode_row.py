@@ -5,7 +5,8 @@ write, attention, the activation); between them Python and PyTorch's dispatch co
 as the kernels' work at this size. ``csrc/decode_layer.c`` runs the same kernels in the same
 order with the same roundings, so its outputs are the Python path's bit for bit (tests hold
 them to it). It applies where a layer is one it can run: 16-bit weights it reads plain (the
-model's, or ``shapes.oneRowWeights`` copies), a KV cache that stores keys and values in the
+model's, or ``shapes.oneRowWeights`` copies), float32 weights in Brook's packed layout or
+plain copies, W8A16's tiled int8 weights, a KV cache that stores keys and values in the
 model's type (no scales, shift or INT8 encoding), one process (no tensor parallelism). Any
 other layer, and every step with more than one token, takes the Python path, layer by layer.
 """
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 from brook_engine.kv.cache import LayerKVCache
-from brook_engine.layers import cpu_fused, cpu_kernels
+from brook_engine.layers import cpu_fused, cpu_kernels, cpu_matmul
 from brook_engine.layers.attention import AttentionMetadata
 from brook_engine.layers.linear import Linear
 from brook_engine.quant import cpu_int8
@@ -33,6 +34,7 @@ class _Product(ctypes.Structure):
 
 
 _INT8 = 3  # the product kind of W8A16's tiled int8 weights (16-bit ones: their _KINDS)
+_F32_PACKED = 4  # float32 weights in Brook's packed layout (layers/cpu_matmul.py)
 
 
 class _Layer(ctypes.Structure):
@@ -67,7 +69,8 @@ def _declare(lib: ctypes.CDLL) -> Any:
 
 def _product(linear: object, dtype: torch.dtype) -> tuple[_Product, list[torch.Tensor]] | None:
     """What the kernel reads for ``linear`` (and the tensors it points into): its plain
-    16-bit weight or copy, or W8A16's tiled int8 weight; None where it is neither."""
+    weight or copy, its float32 weight in Brook's packed layout, or W8A16's tiled int8
+    weight; None where it is none of these."""
     if type(linear) is Int8Linear:
         tiled = linear.tiled
         if tiled is None or dtype not in (torch.float32, torch.bfloat16):
@@ -85,6 +88,15 @@ def _product(linear: object, dtype: torch.dtype) -> tuple[_Product, list[torch.T
         return None
     weight = linear.one_row if linear.one_row is not None else linear.weight
     bias = linear.bias
+    if cpu_matmul.is_packed(weight):  # what the Python path multiplies by too
+        if dtype != torch.float32:
+            return None
+        if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
+            return None
+        ptr = None if bias is None else bias.data_ptr()
+        return _Product(weight.data_ptr(), ptr, None, 0, _F32_PACKED), [
+            t for t in (weight, bias) if t is not None
+        ]
     if weight.is_mkldnn or weight.dtype not in cpu_fused.ONE_ROW_WEIGHTS or weight.dim() != 2:
         return None
     if not weight.is_contiguous() or weight.device.type != "cpu":
@@ -134,13 +146,14 @@ class RowDecoding:
         if None in paths:
             return None
         paths.append(cpu_int8.isa(lib))
+        paths.append(cpu_matmul.isa())
         cos, sin = cos_sin
         tensors = (meta.slot_mapping, meta.decode_blocks, meta.decode_lens)
         if any(t.dtype != torch.int64 or not t.is_contiguous() for t in tensors):
             return None
         if not (cos.is_contiguous() and sin.is_contiguous()) or cos.dtype != x.dtype:
             return None
-        isas = (ctypes.c_int * 4)(*(int(p) for p in paths if p is not None))
+        isas = (ctypes.c_int * 5)(*(int(p) for p in paths if p is not None))
         return RowStep(self, x.dtype, meta, cos, sin, isas, torch.get_num_threads())
 
     def plan(self, layer: Any, cache: LayerKVCache, dtype: torch.dtype) -> _Layer | None:

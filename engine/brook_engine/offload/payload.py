@@ -43,8 +43,8 @@ def _tensors(module: nn.Module) -> list[tuple[object, str, str, torch.Tensor]]:
         for name in _ATTRS:
             value = sub.__dict__.get(name)
             if isinstance(value, torch.Tensor) and value.numel():
-                if value.is_mkldnn:
-                    raise ValueError("a streamed piece cannot hold oneDNN-packed weights")
+                if value.is_mkldnn or value.dim() != 2:
+                    raise ValueError("a streamed piece cannot hold packed weights")
                 found.append((sub, name, "attr", value))
         tiled = sub.__dict__.get("tiled")
         if tiled is not None and dataclasses.is_dataclass(tiled):

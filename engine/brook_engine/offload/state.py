@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from brook_engine.layers.linear import pack_cpu_weights
+from brook_engine.layers.linear import dense, is_packed, pack_cpu_weights
 from brook_engine.offload.ledger import WeightLedger
 from brook_engine.offload.payload import Handle, bind, layout, pack, point
 from brook_engine.offload.plan import PIECE_KINDS, PieceKind, RankPlan, size_text
@@ -218,10 +218,11 @@ class OffloadState:
         """Make a resident piece stream (``build_streamer`` then binds it to a slot);
         returns the device bytes freed."""
         piece = self.pieces[key]
-        for sub in piece.module.modules():  # oneDNN-packed weights back to the plain layout
+        for sub in piece.module.modules():  # packed weights back to the plain layout
             weight = sub._parameters.get("weight")
-            if weight is not None and weight.is_mkldnn:
-                sub._parameters["weight"] = nn.Parameter(weight.to_dense(), requires_grad=False)
+            if weight is not None and is_packed(weight):
+                plain = dense(weight).contiguous()
+                sub._parameters["weight"] = nn.Parameter(plain, requires_grad=False)
         self._store(piece, self.key_of(key))
         self._park(piece)
         self.ledger.release(self.piece_bytes[piece.kind], "resident")

@@ -1,8 +1,8 @@
 """A single sequence's decode step with a layer per kernel call (``models/decode_row.py``):
 the same tokens and log-probabilities as the Python path, bit for bit, on every layer it
-runs (16-bit or float32 weights read plain, W8A16's int8 weights), and the Python path
-wherever it cannot run (a cache that encodes what it stores, packed weights, more than one
-token)."""
+runs (16-bit or float32 weights read plain, float32 weights in Brook's packed layout,
+W8A16's int8 weights), and the Python path wherever it cannot run (a cache that encodes what
+it stores, oneDNN-packed weights, more than one token)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from brook_engine import LLM, SamplingParams
-from brook_engine.layers import cpu_kernels, linear
+from brook_engine.layers import cpu_kernels
 from brook_engine.models import decode_row
 
 AUTO_KV = {"layer_policies": [{"start": 0.0, "end": 1.0, "dtype": "auto"}]}
@@ -88,9 +88,23 @@ def test_layers_it_cannot_run_take_the_python_path_in_the_same_step(
     slow = _run(folder, False, monkeypatch, **options)
     assert fast[:2] == slow[:2]
     assert fast[2] == 2 * 11 * 2
-    # float32 weights packed for oneDNN (no fp32 copies): no layer is the kernel's.
-    if linear.cpu_packing_supported(torch.float32):
-        assert _run(folder, True, monkeypatch, dtype="float32", kv_cache=AUTO_KV)[2] == 0
+    # float32 weights in oneDNN's layout (Mistral's 112-wide qkv and 80-wide o are not
+    # multiples of 32, so they are not in Brook's): no layer is the kernel's.
+    if torch.backends.mkldnn.is_available():
+        mistral = make_tiny_model("mistral")
+        assert _run(mistral, True, monkeypatch, dtype="float32", kv_cache=AUTO_KV)[2] == 0
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biases and a tied head
+def test_float32_weights_in_brooks_layout_run_the_kernel_layer_without_copies(
+    make_tiny_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, arch: str
+) -> None:
+    folder = make_tiny_model(arch)
+    fast = _run(folder, True, monkeypatch, dtype="float32", kv_cache=AUTO_KV)
+    slow = _run(folder, False, monkeypatch, dtype="float32", kv_cache=AUTO_KV)
+    assert fast[:2] == slow[:2]
+    assert fast[2] == 2 * 11 * 3
 
 
 @needs_kernels

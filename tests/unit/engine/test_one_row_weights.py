@@ -122,7 +122,7 @@ def test_the_engine_keeps_copies_counts_them_and_decodes_alike(
         for m in model.modules()
         if getattr(m, "one_row", None) is not None
         and m.one_row.data_ptr() != embed.data_ptr()
-        and (m.weight.is_mkldnn or m.one_row.data_ptr() != m.weight.data_ptr())
+        and (linear.is_packed(m.weight) or m.one_row.data_ptr() != m.weight.data_ptr())
     )
     assert copied > 0 if kind == "fp16" or packed else copied == 0  # plain BF16 is read as is
     assert copies.engine.runner.weight_bytes - plain.engine.runner.weight_bytes == 2 * copied
@@ -203,7 +203,7 @@ def test_a_float32_model_keeps_fp32_copies_where_its_weights_are_packed(
     copied = sum(
         m.weight.numel()
         for m in model.modules()
-        if getattr(m, "one_row", None) is not None and m.weight.is_mkldnn
+        if getattr(m, "one_row", None) is not None and linear.is_packed(m.weight)
     )
     assert copied > 0 if packed else copied == 0
     assert copies.engine.runner.weight_bytes - plain.engine.runner.weight_bytes == 4 * copied

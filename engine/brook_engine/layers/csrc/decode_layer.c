@@ -4,8 +4,9 @@
  * own work at this size. This function runs the same kernels, in the same order, with the
  * same roundings (to the model's type where the PyTorch sequence rounds), so its outputs are
  * the Python path's bit for bit. Called from brook_engine/models/decode_row.py, which checks
- * that the layer is one it can run (float weights it reads plain or W8A16's tiled int8
- * weights, a cache that stores keys and values as they are, one process).
+ * that the layer is one it can run (float weights it reads plain, float32 weights in Brook's
+ * packed layout, W8A16's tiled int8 weights, a cache that stores keys and values as they
+ * are, one process).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -25,6 +26,8 @@ int brook_one_row(const void *x, const void *weight, const void *bias, void *out
 int brook_int8_matmul(const void *x, const int8_t *packed, const float *scales,
                       const float *bias, void *out, int64_t rows, int64_t out_features,
                       int64_t in, int64_t group, int kind, int isa, int threads);
+void brook_f32_matmul(const float *x, const float *packed, const float *bias, float *out,
+                      int64_t rows, int64_t out_features, int64_t in, int isa, int threads);
 int brook_kv_store(const void *k, const void *v, void *k_cache, void *v_cache,
                    const int64_t *slot_ids, int64_t tokens, int64_t kv_heads, int64_t dim,
                    int64_t token_stride, int64_t slots, int64_t item);
@@ -36,7 +39,8 @@ int brook_paged_decode(const float *q, const void *k, const void *v, const float
 
 /* One projection's weight: plain [out, in] of `kind` (0 float32, 1 bf16, 2 fp16) with a bias
  * of the model's type, or (kind 3) int8 in brook_int8_pack's tiles with float32 `scales`
- * ([in / group][out rounded up to 16]) and a float32 bias; bias NULL where there is none. */
+ * ([in / group][out rounded up to 16]) and a float32 bias, or (kind 4, float32 models only)
+ * float32 in brook_f32_pack's pairs with a float32 bias; bias NULL where there is none. */
 typedef struct {
   const void *weight, *bias;
   const float *scales;
@@ -44,7 +48,7 @@ typedef struct {
   int32_t kind;
 } brook_row_product;
 
-enum { WEIGHT_INT8 = 3 };
+enum { WEIGHT_INT8 = 3, WEIGHT_F32_PACKED = 4 };
 
 /* A layer's weights and cache, set once. */
 typedef struct {
@@ -63,6 +67,12 @@ static int product(const brook_row_product *p, const void *x, void *out, int64_t
     return brook_int8_matmul(x, (const int8_t *)p->weight, p->scales, (const float *)p->bias,
                              out, 1, out_features, in, p->group, kind, isas[WEIGHT_INT8],
                              threads);
+  if (p->kind == WEIGHT_F32_PACKED) {
+    if (kind != 0) return -1; /* float32 activations only (the caller checks) */
+    brook_f32_matmul((const float *)x, (const float *)p->weight, (const float *)p->bias,
+                     (float *)out, 1, out_features, in, isas[WEIGHT_F32_PACKED], threads);
+    return 0;
+  }
   return brook_one_row(x, p->weight, p->bias, out, out_features, in, kind, p->kind,
                        isas[p->kind], threads);
 }
