@@ -3,7 +3,7 @@ PyTorch custom ops with shape functions, so the compiler traces through them ins
 breaking the graph.
 
 - ``brook::linear``: a projection of the layer being run — whatever its module does
-  (oneDNN-packed weights, Brook's one-row and W8A16 kernels, an accelerator's GEMM). The
+  (Brook's float32, one-row and W8A16 kernels, oneDNN's, an accelerator's GEMM). The
   weights stay the modules' own: a graph holds none, so one graph serves every layer, and
   weight offload swaps a slot's contents under it.
 - ``brook::attention``: attention over the paged KV cache (Brook's decode kernel, prefill

@@ -49,7 +49,17 @@ _SOURCES: tuple[Path, ...] = (
 # (gcc < 9) still gets decode attention and the fused steps.
 _OPTIONAL = frozenset({"one_row.c", "decode_layer.c"})  # the second calls the first
 # No -ffast-math: the kernels write out the one function (exp) that needed it to vectorize.
-_FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")
+# -fno-trapping-math changes no value (nothing here reads the FP exception flags); without it
+# GCC keeps the clamps around that exp as branches, and the loops that call it scalar.
+_FLAGS = (
+    "-O3",
+    "-std=gnu11",
+    "-fPIC",
+    "-shared",
+    "-fopenmp",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+)
 # A copy built ahead for any CPU of a baseline: its flags and the CPU features it needs.
 _BASELINES: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "x86_64": (("-march=x86-64-v3",), frozenset({"avx2", "fma", "f16c", "bmi2"})),

@@ -149,11 +149,13 @@ def cpu_packing_supported(dtype: torch.dtype) -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def pack_cpu_weights(model: nn.Module) -> int:
+def pack_cpu_weights(model: nn.Module, streamable_only: bool = False) -> int:
     """Reorder the weight of every ``Linear`` and LM head of ``model`` (on CPU) into a packed
     layout: Brook's for float32 weights it takes, oneDNN's otherwise. A weight that another
     module shares (a tied LM head's embedding table) stays plain and the module gets a packed
-    copy; returns the bytes such copies take."""
+    copy; returns the bytes such copies take. ``streamable_only``: Brook's layout alone, for
+    a piece that weight offload streams (a slot holds a plain tensor's bytes, which Brook's
+    layout is and oneDNN's opaque one is not)."""
     holders: dict[int, int] = {}
     for module in model.modules():
         for param in module.parameters(recurse=False):
@@ -166,13 +168,15 @@ def pack_cpu_weights(model: nn.Module) -> int:
         if getattr(module, "quantized", None) is not None:
             continue  # a W8A16 head multiplies by its int8 copy
         if getattr(module, "streamed", False):
-            continue  # an offloaded piece: its slot holds the plain layout
+            continue  # an offloaded piece: its slot holds the layout it was stored in
         if is_packed(weight) or weight.device.type != "cpu" or weight.dim() != 2:
             continue
         if not cpu_packing_supported(weight.dtype):
             continue
         if cpu_matmul.packs(weight):
             reordered = cpu_matmul.pack(weight)
+        elif streamable_only:
+            continue
         elif torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
             reordered = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
         else:

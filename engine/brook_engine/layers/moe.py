@@ -15,7 +15,7 @@ are added, best first, while their experts have room. The kept weights are renor
 family does (to 1 where it normalizes; else scaled to the top-k's own sum, so the output keeps
 its magnitude). Sorting and counting only: the same batch routes the same way every time.
 
-**Experts** are ``MLP``s (float or W8A16, oneDNN-packed on CPU like every other projection).
+**Experts** are ``MLP``s (float or W8A16, packed on CPU like every other projection).
 A step's (token, expert) pairs are sorted by expert once, then each expert multiplies the
 rows of its tokens in one product: work grows with the tokens an expert serves, never a loop
 over tokens. With ``parallel.tensor`` > 1 each rank holds ``experts / tensor`` whole experts

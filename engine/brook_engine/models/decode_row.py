@@ -171,6 +171,9 @@ class RowDecoding:
         key = (
             id(cache.k),
             id(cache.v),
+            id(cache.k_shift),  # an encoding set on a live cache sends it to the Python path
+            id(cache.int8),
+            id(cache.k_scale),
             *(id(n._parameters["weight"]) for n in norms),
             *(id(m._parameters.get("weight")) for m in modules),
             *(id(m.__dict__.get("one_row")) for m in modules),

@@ -81,7 +81,7 @@ def load_model(
     config: EngineConfig | None = None,
 ) -> tuple[CausalLM, int]:
     """This rank's part of the model, built without memory first, then filled from the
-    checkpoint; and the device bytes its weights take (on CPU with the oneDNN-packed copies).
+    checkpoint; and the device bytes its weights take (on CPU with the packed copies).
 
     ``weights`` is ``quantization.weights``: ``w8a16`` quantizes a float checkpoint's
     projections as they are read (one tensor in float at a time) or reads a W8A16
@@ -172,13 +172,14 @@ def _load_piece(
     model: CausalLM, folder: Path, module: nn.Module, name: str, device: torch.device
 ) -> None:
     """Fill one streamed piece in host memory from the checkpoint, in the layout its device
-    reads (on CPU, W8A16's tiled copy)."""
+    reads (on CPU, W8A16's tiled copy and Brook's float32 layout)."""
     module.to_empty(device="cpu")
     load_weights(model, folder, progress=False, only=f"{name}.")
     if device.type == "cpu":
         for sub in module.modules():
             if isinstance(sub, Int8Linear):
                 sub.pack_for_cpu()
+        pack_cpu_weights(module, streamable_only=True)
 
 
 def _w8a16(

@@ -214,7 +214,7 @@ class ModelShape:
 @dataclass(frozen=True)
 class Target:
     """Where the plan runs: the device kind, the compute dtype, whether CPU weights are
-    packed for oneDNN (a tied head then gains a packed copy) and whether Brook's CPU int8
+    packed (a tied head then gains a packed copy) and whether Brook's CPU int8
     kernels tile W8A16 weights; the device's memory when known (for the KV figures)."""
 
     device: str  # "cpu" | "cuda" | "npu"

@@ -4,7 +4,7 @@ once at load; the adaptive policy moves pieces between resident and streamed bet
 (``evict`` / ``restore``), after which the rings are laid out again.
 
 A streamed piece's bytes are written to the host pool or the spill file once and read back
-on every use; a resident piece owns its tensors (on CPU, float weights oneDNN-packed)."""
+on every use; a resident piece owns its tensors (on CPU, float weights packed)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from brook_engine.layers.linear import dense, is_packed, pack_cpu_weights
+from brook_engine.layers.linear import pack_cpu_weights
 from brook_engine.offload.ledger import WeightLedger
 from brook_engine.offload.payload import Handle, bind, layout, pack, point
 from brook_engine.offload.plan import PIECE_KINDS, PieceKind, RankPlan, size_text
@@ -218,11 +218,13 @@ class OffloadState:
         """Make a resident piece stream (``build_streamer`` then binds it to a slot);
         returns the device bytes freed."""
         piece = self.pieces[key]
-        for sub in piece.module.modules():  # packed weights back to the plain layout
+        for sub in piece.module.modules():  # oneDNN's opaque layout back to the plain one
             weight = sub._parameters.get("weight")
-            if weight is not None and is_packed(weight):
-                plain = dense(weight).contiguous()
+            if weight is not None and weight.is_mkldnn:
+                plain = weight.to_dense().contiguous()
                 sub._parameters["weight"] = nn.Parameter(plain, requires_grad=False)
+        if self.device.type == "cpu":
+            pack_cpu_weights(piece.module, streamable_only=True)  # streams in Brook's layout
         self._store(piece, self.key_of(key))
         self._park(piece)
         self.ledger.release(self.piece_bytes[piece.kind], "resident")

@@ -125,7 +125,9 @@ def test_compiled_greedy_tokens_match_eager(
     got = [_greedy(compiled, [p]) for p in prompts[:3]], _greedy(compiled, prompts)
     assert got == expected
     stats = graphs.stats()
-    assert stats.misses == 0 and stats.hits > 20 and stats.failures == 0
+    # The single requests' decode steps (one sequence, float32 weights in Brook's layout) run
+    # the decoder-layer kernel, not a graph: the prefills and the batch's steps are the hits.
+    assert stats.misses == 0 and stats.hits > 15 and stats.failures == 0
     reported = compiled.engine.stats()  # what /metrics serves
     assert (reported.compiled_graphs, reported.compile_hits_total) == (6, stats.hits)
     cold = reported.cold_start_seconds

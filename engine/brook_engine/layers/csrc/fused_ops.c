@@ -79,18 +79,31 @@ void brook_add_rms_norm(const void *x, const void *delta, const void *weight, vo
 
 /* out[r] = silu(gate[r]) * up[r] for gate_up [rows, 2 * inter] (gate first), silu's value
  * rounded to the type before the product, as F.silu(gate) * up computes it. */
+/* One row of brook_silu_mul, for a `kind` known where it is inlined: with the type's loads
+ * and stores fixed, the loop (exp included) runs in vector registers. */
+static inline __attribute__((always_inline)) void silu_mul_row(const void *gate_up, void *out,
+                                                               int64_t in, int64_t at,
+                                                               int64_t inter, const int kind) {
+#pragma omp simd
+  for (int64_t i = 0; i < inter; i++) {
+    const float g = load_kind(gate_up, in + i, kind);
+    const float silu = round_to(g / (1.0f + exp_any(-g)), kind);
+    store_kind(out, at + i, silu * load_kind(gate_up, in + inter + i, kind), kind);
+  }
+}
+
 void brook_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int kind,
                     int threads) {
   const int parallel = rows * inter >= PARALLEL_MIN;
 #pragma omp parallel for num_threads(threads) if (parallel) schedule(static)
   for (int64_t r = 0; r < rows; r++) {
     const int64_t in = r * 2 * inter, at = r * inter;
-#pragma omp simd
-    for (int64_t i = 0; i < inter; i++) {
-      const float g = load_kind(gate_up, in + i, kind);
-      const float silu = round_to(g / (1.0f + exp_any(-g)), kind);
-      store_kind(out, at + i, silu * load_kind(gate_up, in + inter + i, kind), kind);
-    }
+    if (kind == F32)
+      silu_mul_row(gate_up, out, in, at, inter, F32);
+    else if (kind == BF16)
+      silu_mul_row(gate_up, out, in, at, inter, BF16);
+    else
+      silu_mul_row(gate_up, out, in, at, inter, F16);
   }
 }
 
