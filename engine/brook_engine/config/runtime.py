@@ -62,15 +62,15 @@ class ShapesConfig(Section):
     with a warning. Unset: compile into a private temporary folder."""
 
     one_row_weights: Literal["model", "fp32", "bf16", "fp16"] = "model"
-    """Weights a product with one row reads (every layer of a step decoding one sequence;
-    the LM head over one sampled row). On CPU, where the weights are packed for batches in
-    oneDNN's layout, a plain copy of every linear layer for Brook's one-row kernel, which
-    streams it at about 1.2x (float32) to 1.5x (bfloat16) the rate of the packed weights and
-    lets a decoder layer run as one kernel call, for the weights' memory once more: fp32,
-    the values of a float32 model (float32 weights in Brook's own layout need no copy); bf16, the values of a bfloat16 model; fp16, an FP16 copy of
-    a bfloat16 model (the same bytes). Where the weights stay plain (BF16 on CPUs without
-    native BF16), the kernel reads them as they are and a copy costs nothing. A copy of
-    another type than the model's, or on an accelerator, is refused."""
+    """Weights a product with one row reads (every layer of a step decoding one sequence; the LM
+    head over one sampled row). On CPU, where the weights are packed for batches in oneDNN's
+    layout, a plain copy of every linear layer for Brook's one-row kernel, which streams it at
+    about 1.2x (float32) to 1.5x (bfloat16) the rate of the packed weights and lets a decoder
+    layer run as one kernel call, for the weights' memory once more: fp32, the values of a
+    float32 model (float32 weights in Brook's own layout need no copy); bf16, the values of a
+    bfloat16 model; fp16, an FP16 copy of a bfloat16 model (the same bytes). Where the weights
+    stay plain (BF16 on CPUs without native BF16), the kernel reads them as they are and a copy
+    costs nothing. A copy of another type than the model's, or on an accelerator, is refused."""
 
 
 class MoEConfig(Section):
