@@ -17,6 +17,8 @@ from tests.support.parallel_llm import EXACT_KV
 
 from brook_engine import LLM, SamplingParams
 from brook_engine.config import ConfigError
+from brook_engine.layers import cpu_kernels, cpu_matmul
+from brook_engine.layers.linear import Linear
 from brook_engine.metrics.prometheus import EngineMetrics
 from brook_engine.offload.plan import GIB
 from brook_engine.offload.streamer import WeightStreamer
@@ -79,6 +81,20 @@ def _runner(llm: LLM) -> Any:
     return llm.engine.runner
 
 
+def _assert_streamed_in_brooks_layout(llm: LLM) -> None:
+    """Float32 pieces stream in Brook's packed layout (a slot holds a plain tensor's bytes,
+    which it is), so they multiply with the same kernel as resident ones."""
+    if cpu_kernels.library() is None:
+        return  # no kernels, no packing: the plain layout streams
+    offload = _runner(llm).model.offload
+    layers = _runner(llm).model.model.layers
+    assert offload.streamed
+    for layer, kind in offload.streamed:
+        part = layers[layer].self_attn if kind == "attention" else layers[layer].mlp
+        weights = [m.weight for m in part.modules() if isinstance(m, Linear)]
+        assert weights and all(cpu_matmul.is_packed(w) for w in weights), (layer, kind)
+
+
 @pytest.fixture(scope="module")
 def deep_llama(make_tiny_model: Any) -> Path:
     return make_tiny_model("llama", num_hidden_layers=20, intermediate_size=512)  # type: ignore[no-any-return]
@@ -111,6 +127,8 @@ def test_static_offload_generates_what_resident_weights_do(
             assert not plan.streamed
             assert plan.device_bytes == total  # the torch-free plan counts what loads
         assert _held_weight_bytes(llm) <= budget  # counted from the tensors, not the ledger
+        if fraction < 1.0 and quantization is None:
+            _assert_streamed_in_brooks_layout(llm)
         assert _generate(llm, prompts) == expected
         assert _generate(llm, [prompts[1]]) == expected_single  # one sequence: decode_row
     finally:
@@ -269,6 +287,8 @@ def test_adaptive_moves_weights_out_under_kv_pressure_and_back_after(
         assert got == expected
         assert policy.counters.offloaded >= 1 and most_blocks > 8  # weights out, KV in
         assert len(engine.runner.model.offload.streamed) > len(planned) or policy.counters.restored
+        if quantization is None and engine.runner.model.offload.streamed:
+            _assert_streamed_in_brooks_layout(llm)  # evicted pieces too
         # pressure gone: one short request at a time, until every piece is back
         calm_until_restored(engine, prompts[0][:5], held, ledger.budget)
         assert policy.counters.restored == policy.counters.offloaded
