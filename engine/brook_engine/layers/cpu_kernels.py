@@ -49,8 +49,10 @@ _SOURCES: tuple[Path, ...] = (
 # (gcc < 9) still gets decode attention and the fused steps.
 _OPTIONAL = frozenset({"one_row.c", "decode_layer.c"})  # the second calls the first
 # No -ffast-math: the kernels write out the one function (exp) that needed it to vectorize.
-# -fno-trapping-math changes no value (nothing here reads the FP exception flags); without it
-# GCC keeps the clamps around that exp as branches, and the loops that call it scalar.
+# -fno-trapping-math changes no element-wise value (nothing here reads the FP exception flags);
+# without it GCC keeps the clamps around that exp as branches and the loops that call it
+# scalar. With it, decode attention's softmax sum (an `omp simd` reduction) is summed in
+# vector lanes, a rounding-level change.
 _FLAGS = (
     "-O3",
     "-std=gnu11",

@@ -33,8 +33,15 @@ def packs(weight: torch.Tensor) -> bool:
         and weight.shape[0] % PAIR == 0
         and weight.shape[0] > 0
         and weight.shape[1] > 0
-        and cpu_kernels.library() is not None
+        and available()
     )
+
+
+def available() -> bool:
+    """Whether the kernel runs here: the library built, and with it (a copy prebuilt from
+    older sources has not)."""
+    lib = cpu_kernels.library()
+    return lib is not None and hasattr(lib, "brook_f32_matmul")
 
 
 def is_packed(weight: torch.Tensor) -> bool:
@@ -78,7 +85,8 @@ def isa() -> int:
     limit = min(cpu_kernels.isa_limit(), 2)
     if limit not in _isa_cache:
         lib = cpu_kernels.library()
-        assert lib is not None
+        if lib is None or not available():
+            return 0  # nothing calls the kernel then; the portable number
         _isa_cache[limit] = int(lib.brook_f32_isa(limit))
     return _isa_cache[limit]
 
@@ -89,6 +97,8 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> 
     lib = cpu_kernels.library()
     assert lib is not None, "a packed weight exists only where the kernels run"
     assert is_packed(packed) and packed.is_contiguous() and packed.device.type == "cpu"
+    if x.device.type != "cpu" or (bias is not None and bias.device.type != "cpu"):
+        raise ValueError(f"a CPU weight multiplied by a tensor on {x.device}")
     pairs, inn, _ = packed.shape
     if x.shape[-1] != inn:
         raise ValueError(f"a product of {tuple(x.shape)} by a [{pairs * PAIR}, {inn}] weight")

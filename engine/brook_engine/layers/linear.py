@@ -9,7 +9,7 @@ plain weights.
 - Float32 weights whose output count is a multiple of 32 take Brook's own layout
   (``cpu_matmul``: pairs of 16-channel tiles, one kernel for every row count). Against
   oneDNN's inner product on oneDNN's packed layout, which stock PyTorch and the previous
-  default run: 1.1-1.6x at 1-64 rows, even (0.97-1.0x) on 2,048-row prefill chunks
+  default run: 1.07-1.45x at 1-64 rows, even (0.98x) on 2,048-row prefill chunks
   (``tests/bench/small_m_rate.py``). The kernel sums every output in input order, so a
   product's row does not depend on the rows beside it.
 - BF16 weights (on CPUs that multiply BF16 natively) and float32 weights of other shapes
@@ -192,13 +192,17 @@ def pack_cpu_weights(model: nn.Module, streamable_only: bool = False) -> int:
 def keep_one_row_copies(model: nn.Module, dtype: torch.dtype) -> int:
     """Give every ``Linear`` and LM head of ``model`` a plain copy of its weight in ``dtype``
     (a weight that is plain in that dtype already, such as a tied head's embedding table, is
-    used as it is; a matrix whose values leave ``dtype``'s range gets none); returns the
-    bytes the copies take."""
-    added = 0
+    used as it is; a matrix whose values leave ``dtype``'s range gets none, and so does a
+    float32 weight in Brook's layout, which one-row products read as fast as a copy);
+    returns the bytes the copies take."""
+    added, brooks = 0, 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if hasattr(module, "one_row") and isinstance(weight, torch.Tensor):
             plain = weight.detach()
+            if cpu_matmul.is_packed(plain):
+                brooks += 1
+                continue
             if is_packed(plain) or plain.dtype != dtype or not plain.is_contiguous():
                 plain = dense(plain).to(dtype).contiguous()
                 if not bool(plain.isfinite().all()):
@@ -211,4 +215,10 @@ def keep_one_row_copies(model: nn.Module, dtype: torch.dtype) -> int:
                     continue
                 added += plain.numel() * plain.element_size()
             module.one_row = plain
+    if brooks:
+        log.info(
+            "shapes.oneRowWeights: %d float32 weights in Brook's packed layout keep no copy "
+            "(one-row products and the decoder-layer kernel read that layout directly)",
+            brooks,
+        )
     return added

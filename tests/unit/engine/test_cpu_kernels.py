@@ -20,7 +20,7 @@ from torch import nn
 from brook_engine import LLM, SamplingParams
 from brook_engine.config import KVDType
 from brook_engine.kv.cache import Int8Params, LayerKVCache
-from brook_engine.layers import cpu_decode, cpu_fused, cpu_kernels, linear
+from brook_engine.layers import cpu_decode, cpu_fused, cpu_kernels, cpu_matmul, linear
 from brook_engine.layers.attention import _decode_attention
 
 KINDS: list[KVDType] = ["auto", "fp16", "bf16", "fp8_e5m2", "fp8_e4m3", "int8"]
@@ -316,6 +316,11 @@ def test_a_prebuilt_kernel_serves_where_no_compiler_is(
     got_row = cpu_fused.one_row(row, weight, None)  # its paths above the baseline check the CPU
     assert got_row is not None
     torch.testing.assert_close(got_row, expected_row, rtol=8e-3, atol=8e-3)
+    # And Brook's float32 product.
+    w32, x32 = torch.randn(64, 40), torch.randn(5, 40)
+    assert cpu_matmul.available()
+    got32 = cpu_matmul.matmul(x32, cpu_matmul.pack(w32), None)
+    torch.testing.assert_close(got32, F.linear(x32, w32))
 
     monkeypatch.setattr(cpu_kernels, "_tried", False)
     monkeypatch.setattr(cpu_kernels, "cpu_features", lambda: frozenset())

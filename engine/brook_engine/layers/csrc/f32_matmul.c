@@ -7,7 +7,7 @@
  * decode batch of 2-64 rows reads the weight once per MR rows, from memory only the first
  * time (a pair, 74 KiB at 576 inputs, stays in the core's cache for the other row blocks).
  * There is no horizontal sum and no packing per call: at 2-64 rows this beats oneDNN's
- * inner product on its own packed layout by 1.1-1.6x, and ties it on 2,048-row prefill
+ * inner product on its own packed layout by 1.07-1.45x, and ties it on 2,048-row prefill
  * chunks (tests/bench/small_m_rate.py prints both).
  *
  * Every output is one chain of multiply-adds in k order, whatever the row count, the
