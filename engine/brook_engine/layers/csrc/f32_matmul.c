@@ -23,6 +23,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernel_math.h"
+
 #define PAIR 32 /* output channels per packed pair */
 #define CHUNK 96 /* rows per work item of a large batch (a few hundred KiB of x) */
 
@@ -138,20 +140,8 @@ static const block_fn BLOCK512[MR512 + 1] = {
 static const block_fn BLOCK2[MR2 + 1] = {0, rows2_1, rows2_2, rows2_3};
 #endif
 
-enum { ISA_C = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
-
 /* The best path this CPU runs, capped at `limit` (tests force each path on one machine). */
-int brook_f32_isa(int limit) {
-  int isa = ISA_C;
-#if defined(__x86_64__) && defined(__GNUC__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) isa = ISA_AVX2;
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl"))
-    isa = ISA_AVX512;
-#endif
-  return isa < limit ? isa : limit;
-}
+int brook_f32_isa(int limit) { return vector_isa(limit); }
 
 /* `rows` rows (starting at x and out) by pair p, in blocks of at most the path's rows, the
  * rows spread evenly over the blocks (16 rows: 8 + 8, not 12 + 4). */

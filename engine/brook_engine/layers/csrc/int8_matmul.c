@@ -217,21 +217,8 @@ TARGET2 static void tile_avx2(const float *x, int64_t in, int64_t group, const f
 }
 #endif
 
-enum { ISA_C = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
-
-
 /* The best path this CPU runs, capped at `limit` (tests force each path on one machine). */
-int brook_int8_isa(int limit) {
-  int isa = ISA_C;
-#if defined(__x86_64__) && defined(__GNUC__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) isa = ISA_AVX2;
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl"))
-    isa = ISA_AVX512;
-#endif
-  return isa < limit ? isa : limit;
-}
+int brook_int8_isa(int limit) { return vector_isa(limit); }
 
 enum { KIND_F32 = 0, KIND_BF16 = 1 }; /* float16 callers widen in PyTorch */
 

@@ -1,6 +1,6 @@
 /* Small numeric pieces the CPU kernels of this folder share: BF16 conversions and an exp
- * written out so that loops over it vectorize, which a libm call does not. Part of the
- * kernels' build key (brook_engine/layers/cpu_kernels.py). */
+ * written out so that loops over it vectorize, which a libm call does not, and the product
+ * kernels' choice of vector path. Part of the kernels' build key (brook_engine/layers/cpu_kernels.py). */
 #ifndef BROOK_KERNEL_MATH_H
 #define BROOK_KERNEL_MATH_H
 
@@ -59,6 +59,22 @@ static inline float exp_in_range(float x) {
   float two_k;
   memcpy(&two_k, &bits, sizeof two_k);
   return p * two_k;
+}
+
+/* The vector paths of the product kernels (int8_matmul.c, f32_matmul.c): the best this CPU
+ * runs, capped at `limit`. */
+enum { ISA_C = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+
+static inline int vector_isa(int limit) {
+  int isa = ISA_C;
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) isa = ISA_AVX2;
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl"))
+    isa = ISA_AVX512;
+#endif
+  return isa < limit ? isa : limit;
 }
 
 #endif

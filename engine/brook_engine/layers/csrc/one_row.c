@@ -29,7 +29,7 @@
 #include "kernel_math.h"
 
 enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_F16 = 2 };
-enum { ISA_C = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3 };
+enum { ISA_AVX512BF16 = ISA_AVX512 + 1 }; /* beyond the product kernels' paths (kernel_math.h) */
 
 #define PASS 8 /* rows per thread share's unit: every path's pass divides it */
 
