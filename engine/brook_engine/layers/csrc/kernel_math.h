@@ -1,6 +1,7 @@
 /* Small numeric pieces the CPU kernels of this folder share: BF16 conversions and an exp
  * written out so that loops over it vectorize, which a libm call does not, and the product
- * kernels' choice of vector path. Part of the kernels' build key (brook_engine/layers/cpu_kernels.py). */
+ * kernels' choice of vector path. Part of the kernels' build key
+ * (brook_engine/layers/cpu_kernels.py). */
 #ifndef BROOK_KERNEL_MATH_H
 #define BROOK_KERNEL_MATH_H
 
