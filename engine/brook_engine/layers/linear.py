@@ -141,7 +141,7 @@ def cpu_packing_supported(dtype: torch.dtype) -> bool:
         return False
     onednn = bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
     if dtype == torch.float32:
-        return onednn or cpu_kernels.library() is not None
+        return onednn or cpu_matmul.available()
     if not onednn:
         return False
     if dtype != torch.bfloat16 or cpu_kernels.isa_limit() < cpu_kernels.ISA_LEVELS["avx512bf16"]:
