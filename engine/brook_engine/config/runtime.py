@@ -68,9 +68,10 @@ class ShapesConfig(Section):
     about 1.2x (float32) to 1.5x (bfloat16) the rate of the packed weights and lets a decoder
     layer run as one kernel call, for the weights' memory once more: fp32, the values of a
     float32 model (float32 weights in Brook's own layout need no copy); bf16, the values of a
-    bfloat16 model; fp16, an FP16 copy of a bfloat16 model (the same bytes). Where the weights
-    stay plain (BF16 on CPUs without native BF16), the kernel reads them as they are and a copy
-    costs nothing. A copy of another type than the model's, or on an accelerator, is refused."""
+    bfloat16 model; fp16, an FP16 copy of a bfloat16 model (the same bytes). Refused at load: a
+    copy of another type than the model's, one on an accelerator, and one that would keep
+    nothing (weights already plain, as BF16 on CPUs without native BF16, or all float32 in
+    Brook's layout)."""
 
 
 class MoEConfig(Section):

@@ -215,8 +215,8 @@ def add_one_row_copies(
 ) -> int | None:
     """``shapes.oneRowWeights``: copies of the weights for one-row products (fp32 of a
     float32 model, bf16 or fp16 of a bfloat16 one, on CPU). Returns the bytes they take, or
-    None where none are kept; a copy that cannot apply is a ``ConfigError`` naming the field
-    (never ignored)."""
+    None for ``model``; a copy that cannot apply, or a choice that would keep none (every
+    weight read as it is already), is a ``ConfigError`` naming the field (never ignored)."""
     if choice == "model":
         return None
     if device.type != "cpu":
@@ -240,7 +240,17 @@ def add_one_row_copies(
             f"shapes.oneRowWeights {choice}: its copies are read by Brook's CPU kernels, which "
             "do not run here (see the log above); use model, or fp16 for a bfloat16 model"
         )
-    return keep_one_row_copies(model, copy_type)
+    added = keep_one_row_copies(model, copy_type)
+    if added == 0:
+        # Every weight is one the one-row products read as it is: the setting would change
+        # nothing, and a setting accepted without effect is refused.
+        plain = str(copy_type).removeprefix("torch.")
+        raise ConfigError(
+            f"shapes.oneRowWeights {choice}: this model keeps no copy here; every weight is "
+            f"already read as it is by one-row products (plain {plain}, or float32 in Brook's "
+            "packed layout); use model"
+        )
+    return added
 
 
 def checkpoint_files(folder: Path) -> list[Path]:

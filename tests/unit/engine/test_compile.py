@@ -336,10 +336,10 @@ def test_one_sequence_mixes_the_row_kernel_and_the_graph(
         "num_blocks": 64,
     }
     prompts = random_prompts(300, [6, 13], seed=14)
-    # plain float32 copies: what the decoder-layer kernel reads beside packed weights
-    eager = _llm(folder, {"mode": "eager", "one_row_weights": "fp32"}, kv_cache=mixed_kv)
+    # float32 weights in Brook's layout: what the decoder-layer kernel reads without copies
+    eager = _llm(folder, {"mode": "eager"}, kv_cache=mixed_kv)
     expected = [_greedy(eager, [p]) for p in prompts]
-    shapes = {"mode": "compile", "cache_dir": str(shared_cache), "one_row_weights": "fp32"}
+    shapes = {"mode": "compile", "cache_dir": str(shared_cache)}
     compiled = _llm(folder, shapes, kv_cache=mixed_kv)
     kernel_layers = []
     original = RowStep.layer

@@ -104,9 +104,13 @@ def test_the_engine_keeps_copies_counts_them_and_decodes_alike(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     folder = make_tiny_model(arch)
+    packed = linear.cpu_packing_supported(torch.bfloat16)  # else BF16 weights stay plain
+    if kind == "bf16" and not packed:  # plain BF16 weights are read as they are: no copy
+        with pytest.raises(ConfigError, match=r"shapes\.oneRowWeights bf16: .*keeps no copy"):
+            _llm(folder, kind)
+        return
     plain, copies = _llm(folder, "model"), _llm(folder, kind)
     assert not plain.engine.runner.one_row_copies and copies.engine.runner.one_row_copies
-    packed = linear.cpu_packing_supported(torch.bfloat16)  # else BF16 weights stay plain
     model = copies.engine.runner.model
     layers = model.model.layers
     products = [layers[0].self_attn.qkv_proj, layers[0].mlp.down_proj, model.lm_head]
@@ -124,7 +128,7 @@ def test_the_engine_keeps_copies_counts_them_and_decodes_alike(
         and m.one_row.data_ptr() != embed.data_ptr()
         and (linear.is_packed(m.weight) or m.one_row.data_ptr() != m.weight.data_ptr())
     )
-    assert copied > 0 if kind == "fp16" or packed else copied == 0  # plain BF16 is read as is
+    assert copied > 0
     assert copies.engine.runner.weight_bytes - plain.engine.runner.weight_bytes == 2 * copied
     # The products one at a time (not a decoder layer per kernel call, models/decode_row).
     monkeypatch.setattr(decode_row.RowDecoding, "begin", lambda *args: None)
@@ -195,6 +199,8 @@ def test_a_float32_model_keeps_fp32_copies_where_its_weights_are_packed(
     # Mistral's 112-wide qkv and 80-wide o and down take oneDNN's layout (not multiples of
     # 32): those get copies; its 192-wide gate_up and 320-row head take Brook's, read as
     # they are.
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("without oneDNN no float32 weight is packed, and fp32 copies are refused")
     folder = make_tiny_model("mistral")
     options = {"dtype": "float32", "max_model_len": 128, "kv_cache": EXACT_KV, "progress": False}
     plain = LLM(str(folder), **options)
@@ -205,13 +211,12 @@ def test_a_float32_model_keeps_fp32_copies_where_its_weights_are_packed(
     assert qkv.one_row is not None and torch.equal(qkv.one_row, dense(qkv.weight))
     if cpu_matmul.available():
         assert cpu_matmul.is_packed(gate_up.weight) and gate_up.one_row is None
-    onednn = bool(torch.backends.mkldnn.is_available())
     copied = sum(
         m.weight.numel()
         for m in model.modules()
         if getattr(m, "one_row", None) is not None and m.weight.is_mkldnn
     )
-    assert copied > 0 if onednn else copied == 0
+    assert copied > 0
     assert copies.engine.runner.weight_bytes - plain.engine.runner.weight_bytes == 4 * copied
     # One row: the kernel's float32 sums, within float32 rounding of the packed product.
     monkeypatch.setattr(decode_row.RowDecoding, "begin", lambda *args: None)
@@ -219,6 +224,25 @@ def test_a_float32_model_keeps_fp32_copies_where_its_weights_are_packed(
     assert torch.allclose(one, reference, atol=1e-4, rtol=1e-4)
     longer = list(range(5, 25))  # more than one row: the packed weights, bit for bit
     assert torch.equal(copies.engine.prompt_logits(longer), plain.engine.prompt_logits(longer))
+
+
+@pytest.mark.skipif(not cpu_matmul.available(), reason="Brook's float32 product did not build here")
+def test_fp32_copies_of_a_model_in_brooks_layout_are_refused(
+    make_tiny_model: Callable[..., Path],
+) -> None:
+    # Every float32 weight of the tiny Llama is a multiple of 32 wide: all in Brook's layout,
+    # which one-row products read as it is. The setting would keep nothing: refused.
+    with pytest.raises(
+        ConfigError, match=r"shapes\.oneRowWeights fp32: .*keeps no copy.*use model"
+    ):
+        LLM(
+            str(make_tiny_model("llama")),
+            dtype="float32",
+            max_model_len=128,
+            kv_cache=EXACT_KV,
+            shapes={"one_row_weights": "fp32"},
+            progress=False,
+        )
 
 
 def test_copies_only_the_kernels_read_are_refused_without_them(
