@@ -14,38 +14,40 @@ from pathlib import Path
 import pytest
 
 from brook_engine.bench import served_compare
-from brook_engine.cli import main
+from brook_engine.bench.command import served_config
+from brook_engine.cli import _engine_options, build_parser, main
+from brook_engine.config import load_engine_config
 
 
-def _args(model: str, **overrides: object) -> argparse.Namespace:
-    values: dict[str, object] = dict(
-        model=model,
-        dtype="float32",
-        kv_dtype=None,
-        one_row_weights=None,
-        quantization=None,
-        group_size=None,
-        max_model_len=128,
-        concurrency=2,
-        input_len="8",
-        output_len="4",
-        num_requests=4,
-        rounds=1,
-        seed=0,
-        json=False,
-    )
-    values.update(overrides)
-    return argparse.Namespace(**values)
+def _args(model: str, *flags: str) -> argparse.Namespace:
+    """The bench's arguments as its command line parses them (the flags after the model)."""
+    base = ["bench", "--model", model, "--mode", "serve", "--dtype", "float32"]
+    base += ["--max-model-len", "128", "--concurrency", "2", "--input-len", "8"]
+    return build_parser().parse_args([*base, "--output-len", "4", "--num-requests", "4", *flags])
 
 
-def test_brooks_server_starts_from_the_command_answers_and_stops(
+def _brook(args: argparse.Namespace, folder: Path, port: int) -> list[str]:
+    return served_compare._brook_command(served_config(args, _engine_options(args)), folder, port)
+
+
+def test_brooks_server_runs_every_engine_flag_of_the_bench(
     make_tiny_model: Callable[..., Path], tmp_path: Path
 ) -> None:
-    args = _args(str(make_tiny_model("llama")), kv_dtype="auto")
+    flags = ["--kv-dtype", "fp16", "--max-num-batched-tokens", "64", "--block-size", "8"]
+    args = _args(str(make_tiny_model("llama")), *flags)
     port = served_compare._free_port()
-    cmd = served_compare._brook_command(args, port)
-    assert cmd[cmd.index("--kv-dtype") + 1] == "auto" and "--quantization" not in cmd
-    assert cmd[cmd.index("--max-num-seqs") + 1] == "2"
+    cmd = _brook(args, tmp_path, port)
+    config = load_engine_config(Path(cmd[cmd.index("--config") + 1]))
+    assert config.scheduler.max_num_batched_tokens == 64  # each one reaches the server
+    assert config.scheduler.max_num_seqs == 2  # --concurrency, --max-num-seqs not given
+    assert config.kv_cache.block_size == 8 and config.model.dtype == "float32"
+    assert [p.dtype for p in config.kv_cache.layer_policies] == ["fp16"]
+    assert (
+        served_config(
+            _args(args.model, "--max-num-seqs", "5"), {"max_num_seqs": 5}
+        ).scheduler.max_num_seqs
+        == 5
+    )
     log = tmp_path / "server.log"
     with served_compare._running("brook", cmd, {}, port, log):
         url = f"http://127.0.0.1:{port}/v1/models"
@@ -55,6 +57,15 @@ def test_brooks_server_starts_from_the_command_answers_and_stops(
         urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5)
 
 
+def test_vllm_gets_the_scheduler_flags_brook_gets(tmp_path: Path) -> None:
+    python = tmp_path / "bin" / "python"
+    cmd, _ = served_compare._vllm_server(python, _args("m", "--max-num-batched-tokens", "512"), 1)
+    assert cmd[cmd.index("--max-num-batched-tokens") + 1] == "512"
+    assert "--max-num-seqs" not in cmd  # vLLM's own default, as Brook's is --concurrency
+    cmd, _ = served_compare._vllm_server(python, _args("m"), 1)
+    assert "--max-num-batched-tokens" not in cmd  # each engine's default
+
+
 def test_brook_is_ready_only_when_its_engine_is(
     make_tiny_model: Callable[..., Path], tmp_path: Path
 ) -> None:
@@ -62,7 +73,7 @@ def test_brook_is_ready_only_when_its_engine_is(
     # are served (they got 503 before: every request of a round failed).
     args = _args(str(make_tiny_model("llama")))
     port = served_compare._free_port()
-    cmd = served_compare._brook_command(args, port)
+    cmd = _brook(args, tmp_path, port)
     with served_compare._running("brook", cmd, {}, port, tmp_path / "server.log"):
         request = urllib.request.Request(
             f"http://127.0.0.1:{port}/v1/completions",
@@ -109,5 +120,5 @@ def test_ranges_and_other_peers_are_refused(
     base = ["bench", "--model", model, "--mode", "serve"]
     assert main([*base, "--compare", "hf"]) == 2
     assert "--mode serve compares with vllm only" in capsys.readouterr().err
-    assert served_compare.compare_served(_args(model, input_len="8:16")) == 2
+    assert main([*base, "--compare", "vllm", "--input-len", "8:16"]) == 2
     assert "--input-len 8:16: the serving client takes one length" in capsys.readouterr().err

@@ -22,6 +22,7 @@ from brook_engine.bench.machine import (
 )
 from brook_engine.bench.run import BenchReport, run_engine
 from brook_engine.bench.workload import Workload, random_workload_for
+from brook_engine.config import EngineConfig
 from brook_engine.core.llm_engine import LLMEngine
 from brook_engine.llm import engine_config_from_options
 
@@ -67,8 +68,8 @@ def bench(args: argparse.Namespace, options: dict[str, Any]) -> int:
         if served_peers:
             from brook_engine.bench.served_compare import compare_served
 
-            return compare_served(args)
-        return _bench_serving(args, options)
+            return compare_served(args, served_config(args, options))
+        return _bench_serving(args, served_config(args, options))
     rounds = args.rounds
     if rounds < 1:
         print(f"error: --rounds {rounds}: use 1 or more", file=sys.stderr)
@@ -198,15 +199,18 @@ def _bench_kv(args: argparse.Namespace, options: dict[str, Any]) -> int:
     return 0
 
 
-def _bench_serving(args: argparse.Namespace, options: dict[str, Any]) -> int:
+def served_config(args: argparse.Namespace, options: dict[str, Any]) -> EngineConfig:
+    """The engine configuration ``--mode serve`` runs: every engine flag the bench was given,
+    and ``--max-num-seqs`` as ``--concurrency`` unless it is given too."""
+    if "max_num_seqs" not in options:
+        options = {**options, "max_num_seqs": args.concurrency}
+    return engine_config_from_options(args.model, options)
+
+
+def _bench_serving(args: argparse.Namespace, config: EngineConfig) -> int:
     """Offline API and HTTP server, both at ``--concurrency`` requests at a time."""
     from brook_engine.bench.serving import run_http
 
-    scheduler = dict(options.get("scheduler") or {})
-    scheduler["max_num_seqs"] = args.concurrency
-    options = {**options, "scheduler": scheduler}
-    options.pop("max_num_seqs", None)
-    config = engine_config_from_options(args.model, options)
     engine = LLMEngine(config, progress=not args.json)
     workload = random_workload_for(args, engine)
     offline = run_engine(engine, workload, "batch", progress=not args.json)

@@ -32,6 +32,7 @@ from typing import Any
 
 from brook_engine.bench.machine import machine_info, machine_line
 from brook_engine.bench.peers.setup_vllm import PeerError, ensure_vllm_venv
+from brook_engine.config import EngineConfig, dump_engine_config
 
 SERVED_NAME = "bench-model"
 READY_TIMEOUT_S = 900.0
@@ -56,21 +57,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _brook_command(args: argparse.Namespace, port: int) -> list[str]:
-    cmd = [sys.executable, "-c", "from brook_engine.cli import main; raise SystemExit(main())"]
-    cmd += ["serve", "--model", args.model, "--port", str(port)]
-    cmd += ["--served-model-name", SERVED_NAME, "--max-num-seqs", str(args.concurrency)]
-    for flag, value in (
-        ("--dtype", args.dtype),
-        ("--kv-dtype", args.kv_dtype),
-        ("--one-row-weights", args.one_row_weights),
-        ("--quantization", args.quantization),
-        ("--group-size", args.group_size),
-        ("--max-model-len", args.max_model_len),
-    ):
-        if value is not None:
-            cmd += [flag, str(value)]
-    return cmd
+def _brook_command(config: EngineConfig, folder: Path, port: int) -> list[str]:
+    """``brook-engine serve`` with the bench's engine configuration, written to ``folder``."""
+    path = folder / "brook-engine.yaml"
+    path.write_text(dump_engine_config(config), encoding="utf-8")
+    main = "from brook_engine.cli import main; raise SystemExit(main())"
+    cmd = [sys.executable, "-c", main, "serve", "--config", str(path), "--port", str(port)]
+    return [*cmd, "--served-model-name", SERVED_NAME]
 
 
 def _vllm_server(
@@ -79,6 +72,10 @@ def _vllm_server(
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", args.model]
     cmd += ["--port", str(port), "--served-model-name", SERVED_NAME]
     cmd += ["--dtype", args.dtype or "auto", "--max-model-len", str(args.max_model_len or 2048)]
+    for flag in ("--max-num-seqs", "--max-num-batched-tokens"):  # the scheduler's, as Brook's
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            cmd += [flag, str(value)]
     env = dict(os.environ)
     cpus = sorted(os.sched_getaffinity(0))
     threads = int(env.get("OMP_NUM_THREADS") or len(cpus))
@@ -167,8 +164,9 @@ def _all_completed(result: dict[str, Any], requests: int) -> dict[str, Any]:
     return result
 
 
-def compare_served(args: argparse.Namespace) -> int:
-    """Run the comparison and print it (or JSON with ``--json``)."""
+def compare_served(args: argparse.Namespace, config: EngineConfig) -> int:
+    """Run the comparison and print it (or JSON with ``--json``): Brook with ``config``, vLLM
+    with the model, dtype, length and scheduler flags the bench was given."""
     for name, value in (("--input-len", args.input_len), ("--output-len", args.output_len)):
         if not str(value).isdigit():
             print(f"error: {name} {value}: the serving client takes one length", file=sys.stderr)
@@ -180,7 +178,7 @@ def compare_served(args: argparse.Namespace) -> int:
             for name in runs:
                 port = _free_port()
                 if name == "brook":
-                    cmd, env = _brook_command(args, port), dict(os.environ)
+                    cmd, env = _brook_command(config, Path(tmp), port), dict(os.environ)
                 else:
                     cmd, env = _vllm_server(python, args, port)
                 if not args.json:
