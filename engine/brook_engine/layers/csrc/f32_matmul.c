@@ -167,8 +167,10 @@ static void rows_by_pair(const float *x, int64_t in, int64_t rows, const float *
 }
 
 /* out [rows, out_features] = x [rows, in] @ w.T + bias, w packed by brook_f32_pack, bias
- * float32 or NULL. Work items are (chunk of CHUNK rows, pair), split evenly between the
- * threads: a decode batch is one chunk, so each thread streams its own run of pairs. */
+ * float32 or NULL. Work items are (chunk of at most CHUNK rows, pair), split evenly between
+ * the threads: a decode batch is one chunk, so each thread streams its own run of pairs.
+ * The chunks share the rows evenly (128 rows: 64 + 64, not 96 + 32, which left one thread
+ * a third of the other's work). */
 void brook_f32_matmul(const float *x, const float *packed, const float *bias, float *out,
                       int64_t rows, int64_t out_features, int64_t in, int isa, int threads) {
   const int64_t pairs = out_features / PAIR;
@@ -176,8 +178,8 @@ void brook_f32_matmul(const float *x, const float *packed, const float *bias, fl
 #pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
   for (int64_t c = 0; c < chunks; c++) {
     for (int64_t p = 0; p < pairs; p++) {
-      const int64_t first = c * CHUNK;
-      const int64_t count = rows - first < CHUNK ? rows - first : CHUNK;
+      const int64_t first = c * rows / chunks;
+      const int64_t count = (c + 1) * rows / chunks - first;
       float *o = out + first * out_features + p * PAIR;
       rows_by_pair(x + first * in, in, count, packed + p * in * PAIR, o, out_features, isa);
       if (bias != NULL)
