@@ -42,6 +42,38 @@ static inline float exp_any(float x) {
   return overflow ? INFINITY : e;
 }
 
+/* One row of brook_add_rms_norm, for a `kind` known where it is inlined: with the type's
+ * loads and stores fixed, its loops run in vector registers (with `kind` a variable they
+ * ran an element at a time). */
+static inline __attribute__((always_inline)) void norm_row(const void *x, const void *delta,
+                                                           const void *weight, void *out,
+                                                           void *residual, int64_t base,
+                                                           int64_t hidden, float eps,
+                                                           const int kind) {
+  float sum = 0.0f;
+  if (delta != NULL) {
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < hidden; i++) {
+      const float v = round_to(load_kind(x, base + i, kind) + load_kind(delta, base + i, kind), kind);
+      store_kind(residual, base + i, v, kind);
+      sum += v * v;
+    }
+  } else {
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < hidden; i++) {
+      const float v = load_kind(x, base + i, kind);
+      sum += v * v;
+    }
+  }
+  const void *src = delta != NULL ? residual : x;
+  const float scale = 1.0f / sqrtf(sum / (float)hidden + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < hidden; i++) {
+    const float normed = round_to(load_kind(src, base + i, kind) * scale, kind);
+    store_kind(out, base + i, load_kind(weight, i, kind) * normed, kind);
+  }
+}
+
 /* residual = x + delta (or x when delta is NULL; then residual may be NULL), rounded to the
  * type; out = weight * rms_norm(residual in float32) with the normalized value rounded to
  * the type before the weight multiplies it — RMSNorm's forward in layers/norm.py. */
@@ -51,29 +83,12 @@ void brook_add_rms_norm(const void *x, const void *delta, const void *weight, vo
   const int parallel = rows > 1 && rows * hidden >= PARALLEL_MIN;
 #pragma omp parallel for num_threads(threads) if (parallel) schedule(static)
   for (int64_t r = 0; r < rows; r++) {
-    const int64_t base = r * hidden;
-    float sum = 0.0f;
-    if (delta != NULL) {
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < hidden; i++) {
-        const float v = round_to(load_kind(x, base + i, kind) + load_kind(delta, base + i, kind), kind);
-        store_kind(residual, base + i, v, kind);
-        sum += v * v;
-      }
-    } else {
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < hidden; i++) {
-        const float v = load_kind(x, base + i, kind);
-        sum += v * v;
-      }
-    }
-    const void *src = delta != NULL ? residual : x;
-    const float scale = 1.0f / sqrtf(sum / (float)hidden + eps);
-#pragma omp simd
-    for (int64_t i = 0; i < hidden; i++) {
-      const float normed = round_to(load_kind(src, base + i, kind) * scale, kind);
-      store_kind(out, base + i, load_kind(weight, i, kind) * normed, kind);
-    }
+    if (kind == F32)
+      norm_row(x, delta, weight, out, residual, r * hidden, hidden, eps, F32);
+    else if (kind == BF16)
+      norm_row(x, delta, weight, out, residual, r * hidden, hidden, eps, BF16);
+    else
+      norm_row(x, delta, weight, out, residual, r * hidden, hidden, eps, F16);
   }
 }
 
@@ -107,6 +122,23 @@ void brook_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter,
   }
 }
 
+/* One head of one token of brook_rotary, for a `kind` known where it is inlined. */
+static inline __attribute__((always_inline)) void rotary_head(void *x, const void *cos,
+                                                              const void *sin, int64_t at,
+                                                              int64_t c, int64_t half,
+                                                              const int kind) {
+#pragma omp simd
+  for (int64_t i = 0; i < half; i++) {
+    const float a = load_kind(x, at + i, kind), b = load_kind(x, at + half + i, kind);
+    const float lo = round_to(a * load_kind(cos, c + i, kind), kind) +
+                     round_to(-b * load_kind(sin, c + i, kind), kind);
+    const float hi = round_to(b * load_kind(cos, c + half + i, kind), kind) +
+                     round_to(a * load_kind(sin, c + half + i, kind), kind);
+    store_kind(x, at + i, lo, kind);
+    store_kind(x, at + half + i, hi, kind);
+  }
+}
+
 /* Rotary embedding in place on the first `rotated` heads of x [tokens, heads, dim] with
  * cos, sin [tokens, dim] (already looked up by position): x * cos + rotate_half(x) * sin,
  * each product and the sum rounded to the type (layers/rotary.apply_rotary). */
@@ -118,16 +150,12 @@ void brook_rotary(void *x, const void *cos, const void *sin, int64_t tokens, int
   for (int64_t t = 0; t < tokens; t++) {
     for (int64_t h = 0; h < rotated; h++) {
       const int64_t at = (t * heads + h) * dim, c = t * dim;
-#pragma omp simd
-      for (int64_t i = 0; i < half; i++) {
-        const float a = load_kind(x, at + i, kind), b = load_kind(x, at + half + i, kind);
-        const float lo = round_to(a * load_kind(cos, c + i, kind), kind) +
-                         round_to(-b * load_kind(sin, c + i, kind), kind);
-        const float hi = round_to(b * load_kind(cos, c + half + i, kind), kind) +
-                         round_to(a * load_kind(sin, c + half + i, kind), kind);
-        store_kind(x, at + i, lo, kind);
-        store_kind(x, at + half + i, hi, kind);
-      }
+      if (kind == F32)
+        rotary_head(x, cos, sin, at, c, half, F32);
+      else if (kind == BF16)
+        rotary_head(x, cos, sin, at, c, half, BF16);
+      else
+        rotary_head(x, cos, sin, at, c, half, F16);
     }
   }
 }
