@@ -48,7 +48,7 @@ def paged_attention(
 ) -> torch.Tensor:
     if not cpu_decode.store(cache, meta.slot_mapping, k, v):
         cache.write(meta.slot_mapping, k, v)
-    q = cache.query(q)  # what scores the stored keys (INT8 stores them turned and scaled)
+    q = cpu_decode.query(cache, q)  # what scores the stored keys (INT8: turned and scaled)
     gqa = q.shape[1] != k.shape[1]
     if meta.num_decodes == q.shape[0] and meta.decode_lens is not None:  # decodes alone
         assert meta.decode_blocks is not None
@@ -56,7 +56,7 @@ def paged_attention(
             q, cache, meta.decode_blocks, meta.decode_lens, scale, meta.sliding_window
         )
         if fused is not None:
-            return cache.output(fused.to(q.dtype))
+            return cpu_decode.output(cache, fused.to(q.dtype))
     out = torch.empty_like(q)
     if meta.num_decodes:
         assert meta.decode_blocks is not None and meta.decode_bias is not None
@@ -96,7 +96,7 @@ def paged_attention(
             .squeeze(0)
             .transpose(0, 1)
         )
-    return cache.output(out)
+    return cpu_decode.output(cache, out)
 
 
 def _decode_attention(

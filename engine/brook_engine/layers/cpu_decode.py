@@ -42,6 +42,49 @@ def _lut(dtype: torch.dtype) -> torch.Tensor:
     return table
 
 
+def query(cache: LayerKVCache, q: torch.Tensor) -> torch.Tensor:
+    """``cache.query(q)``: for an INT8 layer the query turned by its folded map in one C
+    call (the torch path is a chain of small ops a layer, ~45 us at 16 rows)."""
+    mapped = None if cache.int8 is None else _head_map(cache, q, "query")
+    return cache.query(q) if mapped is None else mapped
+
+
+def output(cache: LayerKVCache, out: torch.Tensor) -> torch.Tensor:
+    """``cache.output(out)``, an INT8 layer's by the C kernel as ``query``."""
+    mapped = None if cache.int8 is None else _head_map(cache, out, "output")
+    return cache.output(out) if mapped is None else mapped.to(cache.compute_dtype)
+
+
+def _head_map(cache: LayerKVCache, x: torch.Tensor, name: str) -> torch.Tensor | None:
+    """x [tokens, heads, head_dim] by the per-head map ``name`` of an INT8 layer, float32;
+    None where the kernel does not apply."""
+    if x.device.type != "cpu" or cache.int8 is None:
+        return None
+    library = cpu_kernels.library()
+    if library is None or not hasattr(library, "brook_head_map"):
+        return None  # (a prebuilt library from before the kernel lacks it)
+    tokens, heads, dim = x.shape
+    matrix, offset = cache.int8.maps(name, heads)
+    if matrix.shape != (heads, dim, dim) or matrix.device.type != "cpu":
+        return None
+    rows = x.float()
+    if rows.stride()[1:] != (dim, 1):
+        rows = rows.contiguous()
+    out = torch.empty((tokens, heads, dim), dtype=torch.float32)
+    status = library.brook_head_map(
+        rows.data_ptr(),
+        matrix.data_ptr(),
+        None if offset is None else offset.data_ptr(),
+        out.data_ptr(),
+        tokens,
+        heads,
+        dim,
+        rows.stride(0),
+        torch.get_num_threads(),
+    )
+    return out if status == 0 else None
+
+
 def store(cache: LayerKVCache, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """``cache.write(slots, k, v)`` by a C kernel: where the cache holds k and v as they are
     (their own type, no shift or scales) a memcpy per token and head instead of two

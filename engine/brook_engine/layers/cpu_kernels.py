@@ -211,6 +211,8 @@ def _declare(opened: ctypes.CDLL) -> None:
         "brook_kv_store": (i32, [p] * 5 + [i64] * 6),
         # x, map, offset, cache, slots, tokens, kv_heads, dim, token_stride, slots
         "brook_kv_store_int8": (i32, [p] * 5 + [i64] * 5),
+        # x, map, offset, out, tokens, heads, dim, token_stride, threads
+        "brook_head_map": (i32, [p] * 4 + [i64] * 4 + [i32]),
         # x, delta, weight, out, residual, rows, hidden, eps, kind, threads
         "brook_add_rms_norm": (None, [p] * 5 + [i64, i64, f32, i32, i32]),
         # gate_up, out, rows, inter, kind, threads

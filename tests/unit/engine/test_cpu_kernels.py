@@ -379,3 +379,36 @@ def test_the_int8_store_kernel_writes_the_codes_the_cache_writes(
     assert not stored.k[:, untouched].any() and not stored.v[:, untouched].any()
     with pytest.raises(IndexError, match="outside the cache's 256 slots"):
         cpu_decode.store(stored, torch.tensor([256]), k[:1], v[:1])
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the kernel cannot build")
+@pytest.mark.parametrize(("kv_heads", "heads", "dim"), [(3, 9, 64), (1, 3, 24), (4, 4, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_int8_query_and_output_maps_turn_as_the_cache_does(
+    kv_heads: int, heads: int, dim: int, dtype: torch.dtype
+) -> None:
+    """An INT8 layer's query turned to score the stored integers, and the attention output
+    turned back, by the C kernel: torch's batched product within float32 rounding, and each
+    row the same whether it is mapped alone or among 300 (split between threads). A head
+    size that is not a multiple of 16 (24) takes torch's product."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(256, heads, dim, generator=gen)
+    keys = torch.randn(256, kv_heads, dim, generator=gen) * 2 + 0.5
+    params = Int8Params.fit(q, keys, torch.randn(256, kv_heads, dim, generator=gen))
+    cache = LayerKVCache.allocate(4, 16, kv_heads, dim, "int8", dtype, torch.device("cpu"))
+    cache.int8 = params
+    qkv = torch.randn(300, heads + 2 * kv_heads, dim, generator=gen).to(dtype)
+    x = qkv[:, :heads]  # a view whose rows are not contiguous, as the projection's
+    for name, got, expected in (
+        ("query", cpu_decode.query(cache, x), cache.query(x)),
+        ("output", cpu_decode.output(cache, x.float()), cache.output(x.float())),
+    ):
+        assert got.dtype == expected.dtype and got.shape == expected.shape, name
+        assert got.is_contiguous()
+        torch.testing.assert_close(got.float(), expected.float(), rtol=1e-5, atol=1e-4)
+    assert (cpu_decode._head_map(cache, x, "query") is not None) == (dim % 16 == 0)
+    if dim % 16 == 0:
+        alone = torch.cat([cpu_decode.query(cache, x[i : i + 1]) for i in (0, 150, 299)])
+        assert torch.equal(alone, cpu_decode.query(cache, x)[[0, 150, 299]])
+    plain = LayerKVCache.allocate(4, 16, kv_heads, dim, "auto", dtype, torch.device("cpu"))
+    assert cpu_decode.query(plain, x) is x  # not INT8: the query as it is

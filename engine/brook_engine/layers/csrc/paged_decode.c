@@ -358,3 +358,75 @@ int brook_kv_store_int8(const float *x, const float *map, const float *offset, i
   }
   return 0;
 }
+
+/* `rows` rows (1 to 4, a constant where inlined) of x by 16 columns (from j0) of a
+ * [dim, dim] map, each output summed over i in order: the sums stay in vector registers and
+ * each map row is read once for the rows. */
+static inline __attribute__((always_inline)) void map_block(const float *x, int64_t x_stride,
+                                                            const float *m, float *dst,
+                                                            int64_t dst_stride, int64_t dim,
+                                                            int64_t j0, const int rows) {
+  float a[4][16];
+#pragma GCC unroll 4
+  for (int r = 0; r < 4; r++)
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; j++) a[r][j] = 0.0f;
+  for (int64_t i = 0; i < dim; i++) {
+    const float *mi = m + i * dim + j0;
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; r++) {
+      if (r < rows) {
+        const float xi = x[r * x_stride + i];
+#pragma omp simd
+        for (int j = 0; j < 16; j++) a[r][j] += xi * mi[j];
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < 4; r++)
+    if (r < rows)
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; j++) dst[r * dst_stride + j0 + j] = a[r][j];
+}
+
+/* An INT8 layer's query or output map: out[t, h] = x[t, h] M[h] (+ offset[h]), every head's
+ * row of every token by its head's [dim, dim] matrix (Int8Params.maps in kv/cache.py: the
+ * query turned to score the stored integers, the attention output turned back to the values
+ * they stand for). Each output is one sum over i in order, whatever the token count, so a
+ * row's result does not depend on its batch (a batched product's order may).
+ *   x       [tokens, heads, dim] float32, rows token_stride floats apart
+ *   map     [heads, dim, dim] float32; offset [heads, dim] float32 or NULL
+ *   out     [tokens, heads, dim] float32, contiguous
+ * Returns -2 where dim is not a multiple of 16 (the caller's torch path runs). Work items
+ * (4 tokens, head) are split over `threads` where there is enough work to wake them. */
+int brook_head_map(const float *x, const float *map, const float *offset, float *out,
+                   int64_t tokens, int64_t heads, int64_t dim, int64_t token_stride,
+                   int threads) {
+  if (dim % 16 != 0) return -2;
+  const int64_t quads = (tokens + 3) / 4;
+  const int parallel = tokens * heads * dim * dim >= (int64_t)1 << 18;
+#pragma omp parallel for num_threads(threads) if (parallel) schedule(static) collapse(2)
+  for (int64_t b = 0; b < quads; b++) {
+    for (int64_t h = 0; h < heads; h++) {
+      const int64_t t0 = 4 * b;
+      const int rows = (int)(tokens - t0 < 4 ? tokens - t0 : 4);
+      const float *xb = x + t0 * token_stride + h * dim;
+      const float *m = map + h * dim * dim;
+      float *dst = out + (t0 * heads + h) * dim;
+      for (int64_t j0 = 0; j0 < dim; j0 += 16) {
+        if (rows == 4)
+          map_block(xb, token_stride, m, dst, heads * dim, dim, j0, 4);
+        else if (rows == 3)
+          map_block(xb, token_stride, m, dst, heads * dim, dim, j0, 3);
+        else if (rows == 2)
+          map_block(xb, token_stride, m, dst, heads * dim, dim, j0, 2);
+        else
+          map_block(xb, token_stride, m, dst, heads * dim, dim, j0, 1);
+      }
+      if (offset != NULL)
+        for (int r = 0; r < rows; r++)
+          for (int64_t j = 0; j < dim; j++) dst[r * heads * dim + j] += offset[h * dim + j];
+    }
+  }
+  return 0;
+}
