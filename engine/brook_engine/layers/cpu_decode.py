@@ -175,6 +175,7 @@ def _store_int8(
             dim,
             rows.stride(0),
             target.shape[1],
+            torch.get_num_threads(),
         )
         if status == -1:
             raise IndexError(f"KV store: a slot outside the cache's {target.shape[1]} slots")

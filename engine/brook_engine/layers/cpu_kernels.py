@@ -209,8 +209,8 @@ def _declare(opened: ctypes.CDLL) -> None:
         "brook_paged_decode": (i32, [p] * 8 + [i64] * 8 + [i32, p, f32, i32]),
         # k, v, k_cache, v_cache, slots, tokens, kv_heads, dim, token_stride, slots, item
         "brook_kv_store": (i32, [p] * 5 + [i64] * 6),
-        # x, map, offset, cache, slots, tokens, kv_heads, dim, token_stride, slots
-        "brook_kv_store_int8": (i32, [p] * 5 + [i64] * 5),
+        # x, map, offset, cache, slots, tokens, kv_heads, dim, token_stride, slots, threads
+        "brook_kv_store_int8": (i32, [p] * 5 + [i64] * 5 + [i32]),
         # x, map, offset, out, tokens, heads, dim, token_stride, threads
         "brook_head_map": (i32, [p] * 4 + [i64] * 4 + [i32]),
         # x, delta, weight, out, residual, rows, hidden, eps, kind, threads

@@ -317,48 +317,6 @@ int brook_kv_store(const void *k, const void *v, void *k_cache, void *v_cache,
   return 0;
 }
 
-/* INT8 KV store: each token's key (value) row of each KV head turned by the layer's folded
- * map, y = x M[h] - offset[h] (centre, balance, rotation and scale in one [dim, dim] matrix
- * per head: Int8Params.maps in kv/cache.py), rounded to nearest-even as torch.round does,
- * clamped to +-127 and written at its slot (prefill reads the slots back, so what a
- * prompt's attention sees is what the cache holds).
- *   x            [tokens, kv_heads, dim] float32, rows token_stride floats apart
- *   map, offset  [kv_heads, dim, dim], [kv_heads, dim] float32
- *   cache        [kv_heads, slots, dim] int8
- */
-enum { INT8_MAX_DIM = 1024 };
-
-int brook_kv_store_int8(const float *x, const float *map, const float *offset, int8_t *cache,
-                        const int64_t *slot_ids, int64_t tokens, int64_t kv_heads, int64_t dim,
-                        int64_t token_stride, int64_t slots) {
-  if (dim > INT8_MAX_DIM) return -2;
-  for (int64_t t = 0; t < tokens; t++)
-    if (slot_ids[t] < 0 || slot_ids[t] >= slots) return -1;
-  float acc[INT8_MAX_DIM];
-  for (int64_t h = 0; h < kv_heads; h++) {
-    const float *m = map + h * dim * dim;
-    const float *off = offset + h * dim;
-    for (int64_t t = 0; t < tokens; t++) {
-      const float *row = x + t * token_stride + h * dim;
-      for (int64_t j = 0; j < dim; j++) acc[j] = 0.0f;
-      for (int64_t i = 0; i < dim; i++) {
-        const float xi = row[i];
-        const float *mi = m + i * dim;
-#pragma omp simd
-        for (int64_t j = 0; j < dim; j++) acc[j] += xi * mi[j];
-      }
-      int8_t *dst = cache + (h * slots + slot_ids[t]) * dim;
-      for (int64_t j = 0; j < dim; j++) {
-        float y = nearbyintf(acc[j] - off[j]);
-        y = y != y ? 0.0f : y; /* NaN: a defined code (a cast of NaN is not) */
-        y = y > 127.0f ? 127.0f : (y < -127.0f ? -127.0f : y);
-        dst[j] = (int8_t)y;
-      }
-    }
-  }
-  return 0;
-}
-
 /* `rows` rows (1 to 4, a constant where inlined) of x by 16 columns (from j0) of a
  * [dim, dim] map, each output summed over i in order: the sums stay in vector registers and
  * each map row is read once for the rows. */
@@ -387,6 +345,69 @@ static inline __attribute__((always_inline)) void map_block(const float *x, int6
     if (r < rows)
 #pragma GCC unroll 16
       for (int j = 0; j < 16; j++) dst[r * dst_stride + j0 + j] = a[r][j];
+}
+
+/* INT8 KV store: each token's key (value) row of each KV head turned by the layer's folded
+ * map, y = x M[h] - offset[h] (centre, balance, rotation and scale in one [dim, dim] matrix
+ * per head: Int8Params.maps in kv/cache.py), rounded to nearest-even as torch.round does,
+ * clamped to +-127 and written at its slot (prefill reads the slots back, so what a
+ * prompt's attention sees is what the cache holds).
+ *   x            [tokens, kv_heads, dim] float32, rows token_stride floats apart
+ *   map, offset  [kv_heads, dim, dim], [kv_heads, dim] float32
+ *   cache        [kv_heads, slots, dim] int8
+ * Each output is one sum over i in order. Work items (4 tokens, KV head) are split over
+ * `threads` where there is enough work to wake them (a prefill chunk's rows).
+ */
+enum { INT8_MAX_DIM = 512 }; /* head sizes up to this (larger: torch's path) */
+
+int brook_kv_store_int8(const float *x, const float *map, const float *offset, int8_t *cache,
+                        const int64_t *slot_ids, int64_t tokens, int64_t kv_heads, int64_t dim,
+                        int64_t token_stride, int64_t slots, int threads) {
+  if (dim > INT8_MAX_DIM) return -2;
+  for (int64_t t = 0; t < tokens; t++)
+    if (slot_ids[t] < 0 || slot_ids[t] >= slots) return -1;
+  const int64_t quads = (tokens + 3) / 4;
+  const int parallel = tokens * kv_heads * dim * dim >= (int64_t)1 << 18;
+#pragma omp parallel for num_threads(threads) if (parallel) schedule(static) collapse(2)
+  for (int64_t b = 0; b < quads; b++) {
+    for (int64_t h = 0; h < kv_heads; h++) {
+      float turned[4 * INT8_MAX_DIM];
+      const int64_t t0 = 4 * b;
+      const int rows = (int)(tokens - t0 < 4 ? tokens - t0 : 4);
+      const float *xb = x + t0 * token_stride + h * dim;
+      const float *m = map + h * dim * dim;
+      if (dim % 16 != 0) { /* a head size the blocks do not fit: a row at a time */
+        for (int r = 0; r < rows; r++)
+          for (int64_t j = 0; j < dim; j++) {
+            float sum = 0.0f;
+            for (int64_t i = 0; i < dim; i++) sum += xb[r * token_stride + i] * m[i * dim + j];
+            turned[r * dim + j] = sum;
+          }
+      } else {
+        for (int64_t j0 = 0; j0 < dim; j0 += 16) {
+          if (rows == 4)
+            map_block(xb, token_stride, m, turned, dim, dim, j0, 4);
+          else if (rows == 3)
+            map_block(xb, token_stride, m, turned, dim, dim, j0, 3);
+          else if (rows == 2)
+            map_block(xb, token_stride, m, turned, dim, dim, j0, 2);
+          else
+            map_block(xb, token_stride, m, turned, dim, dim, j0, 1);
+        }
+      }
+      const float *off = offset + h * dim;
+      for (int r = 0; r < rows; r++) {
+        int8_t *dst = cache + (h * slots + slot_ids[t0 + r]) * dim;
+        for (int64_t j = 0; j < dim; j++) {
+          float y = nearbyintf(turned[r * dim + j] - off[j]);
+          y = y != y ? 0.0f : y; /* NaN: a defined code (a cast of NaN is not) */
+          y = y > 127.0f ? 127.0f : (y < -127.0f ? -127.0f : y);
+          dst[j] = (int8_t)y;
+        }
+      }
+    }
+  }
+  return 0;
 }
 
 /* An INT8 layer's query or output map: out[t, h] = x[t, h] M[h] (+ offset[h]), every head's
