@@ -36,7 +36,11 @@ def engine_config_from_options(
     """``LLM(model, **options)`` → ``EngineConfig``. An option is a section (``kv_cache={...}``),
     a model field (``dtype``), or a field that exactly one section has (``max_num_seqs``).
     With ``base``, options override its values (sections merge field by field)."""
-    data: dict[str, Any] = base.model_dump(exclude_unset=True) if base is not None else {}
+    # Field names, not the file's camelCase aliases: the options below are field names, and
+    # a section holding both spellings of one field is refused as an unknown field.
+    data: dict[str, Any] = (
+        base.model_dump(exclude_unset=True, by_alias=False) if base is not None else {}
+    )
     data.setdefault("model", {})
     if model is not None:
         data["model"]["uri"] = model
@@ -47,7 +51,8 @@ def engine_config_from_options(
     }
     for key, value in options.items():
         if key in ("device", *sections):
-            value = value.model_dump(exclude_unset=True) if hasattr(value, "model_dump") else value
+            if hasattr(value, "model_dump"):
+                value = value.model_dump(exclude_unset=True, by_alias=False)
             if isinstance(value, dict) and isinstance(data.get(key), dict):
                 data[key] = {**data[key], **value}
             else:

@@ -9,6 +9,7 @@ tensor is an error that names it.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,8 @@ from brook_engine.offload.setup import set_up_offload
 from brook_engine.quant import checkpoint as quant_checkpoint
 from brook_engine.quant.linear import W8A16, Int8Linear, QuantizedHead
 from brook_engine.quant.quantize import QuantizedWeight, quantize
+
+log = logging.getLogger(__name__)
 
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
@@ -241,7 +244,10 @@ def add_one_row_copies(
             "do not run here (see the log above); use model, or fp16 for a bfloat16 model"
         )
     added = keep_one_row_copies(model, copy_type)
-    if added == 0:
+    if added == 0 and not (model.shard.first_stage and model.shard.last_stage):
+        # A pipeline stage sees only its layers: another stage (the LM head's) may keep copies.
+        log.info("shapes.oneRowWeights %s: this pipeline stage keeps no copy", choice)
+    elif added == 0:
         # Every weight is one the one-row products read as it is: the setting would change
         # nothing, and a setting accepted without effect is refused.
         plain = str(copy_type).removeprefix("torch.")

@@ -23,7 +23,7 @@ from brook_engine.compile.graph_cache import GraphCache
 from brook_engine.compile.graphs import CompiledLayers
 from brook_engine.compile.persistent import MANIFEST
 from brook_engine.config import ConfigError
-from brook_engine.layers import cpu_kernels
+from brook_engine.layers import cpu_kernels, cpu_matmul
 from brook_engine.models.decode_row import RowStep
 
 EXACT_KV = {
@@ -52,8 +52,9 @@ def _llm(folder: Path, shapes: dict[str, Any] | None = None, **options: Any) -> 
 
 
 def row_kernel_runs_here() -> bool:
-    """Whether Brook's C kernels (the decoder-layer kernel among them) are built here."""
-    return cpu_kernels.enabled()
+    """Whether Brook's C kernels (the decoder-layer kernel among them) are built here, with
+    the float32 product whose packed layout that kernel reads without copies."""
+    return cpu_kernels.enabled() and cpu_matmul.available()
 
 
 def _graphs(llm: LLM) -> CompiledLayers:

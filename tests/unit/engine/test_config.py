@@ -245,3 +245,20 @@ def test_layer_ranges_cover_by_fraction() -> None:
 )
 def test_split_model_uri(uri: str, expected: tuple[str, str]) -> None:
     assert split_model_uri(uri) == expected
+
+
+def test_options_override_a_whole_configuration_file(tmp_path: Path) -> None:
+    """``brook-engine serve --config FILE --max-num-seqs 5``: a file written in full (camelCase,
+    as ``brook-engine config`` and the bench write it) merges with options by field name."""
+    from brook_engine.llm import engine_config_from_options
+
+    path = tmp_path / "engine.yaml"
+    path.write_text(dump_engine_config(parse_engine_config(FULL)))
+    base = load_engine_config(path)
+    options = {"max_num_seqs": 5, "kv_cache": {"block_size": 32}, "server": {"port": 9000}}
+    config = engine_config_from_options(None, options, base)
+    assert config.scheduler.max_num_seqs == 5 and config.kv_cache.block_size == 32
+    assert config.server.port == 9000
+    assert config.model == base.model  # the rest as the file has it
+    assert config.scheduler.max_num_batched_tokens == base.scheduler.max_num_batched_tokens
+    assert config.kv_cache.layer_policies == base.kv_cache.layer_policies

@@ -405,7 +405,10 @@ def test_the_int8_query_and_output_maps_turn_as_the_cache_does(
     ):
         assert got.dtype == expected.dtype and got.shape == expected.shape, name
         assert got.is_contiguous()
-        torch.testing.assert_close(got.float(), expected.float(), rtol=1e-5, atol=1e-4)
+        # float32 sums in another order; a BF16 output may round the other way (one ulp)
+        bf16 = name == "output" and dtype == torch.bfloat16
+        tolerance = {"rtol": 2**-7, "atol": 1e-3} if bf16 else {"rtol": 1e-5, "atol": 1e-4}
+        torch.testing.assert_close(got.float(), expected.float(), **tolerance)
     assert (cpu_decode._head_map(cache, x, "query") is not None) == (dim % 16 == 0)
     if dim % 16 == 0:
         alone = torch.cat([cpu_decode.query(cache, x[i : i + 1]) for i in (0, 150, 299)])

@@ -7,6 +7,7 @@ cannot apply is refused, naming the field."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,7 @@ from brook_engine.config import ConfigError
 from brook_engine.layers import cpu_fused, cpu_matmul, linear
 from brook_engine.layers.linear import dense, keep_one_row_copies, one_row_linear
 from brook_engine.models import decode_row
+from brook_engine.models.loader import add_one_row_copies
 
 EXACT_KV = {
     "num_blocks": 32,
@@ -226,7 +228,10 @@ def test_a_float32_model_keeps_fp32_copies_where_its_weights_are_packed(
     assert torch.equal(copies.engine.prompt_logits(longer), plain.engine.prompt_logits(longer))
 
 
-@pytest.mark.skipif(not cpu_matmul.available(), reason="Brook's float32 product did not build here")
+@pytest.mark.skipif(
+    not cpu_matmul.available() or cpu_fused.one_row_path(torch.float32, torch.float32) is None,
+    reason="Brook's float32 product or one-row kernel did not build here",
+)
 def test_fp32_copies_of_a_model_in_brooks_layout_are_refused(
     make_tiny_model: Callable[..., Path],
 ) -> None:
@@ -243,6 +248,22 @@ def test_fp32_copies_of_a_model_in_brooks_layout_are_refused(
             shapes={"one_row_weights": "fp32"},
             progress=False,
         )
+
+
+@pytest.mark.skipif(
+    not cpu_matmul.available() or cpu_fused.one_row_path(torch.float32, torch.float32) is None,
+    reason="Brook's float32 product or one-row kernel did not build here",
+)
+def test_a_pipeline_stage_without_copies_is_not_refused(
+    make_tiny_model: Callable[..., Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    # A stage sees only its layers; the LM head's stage may keep copies the others do not.
+    llm = LLM(str(make_tiny_model("llama")), dtype="float32", kv_cache=EXACT_KV, progress=False)
+    model = llm.engine.runner.model
+    model.shard = dataclasses.replace(model.shard, last_stage=False)
+    with caplog.at_level(logging.INFO, logger="brook_engine.models.loader"):
+        assert add_one_row_copies(model, "fp32", torch.float32, torch.device("cpu")) == 0
+    assert "this pipeline stage keeps no copy" in caplog.text
 
 
 def test_copies_only_the_kernels_read_are_refused_without_them(
