@@ -15,7 +15,7 @@ import pytest
 
 from brook_engine.bench import served_compare
 from brook_engine.bench.command import served_config
-from brook_engine.cli import _engine_options, build_parser, main
+from brook_engine.cli import _add_engine_flags, _engine_options, build_parser, main
 from brook_engine.config import load_engine_config
 
 
@@ -55,6 +55,18 @@ def test_brooks_server_runs_every_engine_flag_of_the_bench(
             assert served_compare.SERVED_NAME in response.read().decode()
     with pytest.raises(OSError):  # stopped with the context
         urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5)
+
+
+def test_the_flags_vllm_does_not_get_are_named() -> None:
+    args = _args("m", "--kv-dtype", "int8", "--moe-reroute", "--max-num-batched-tokens", "64")
+    assert served_compare.brook_only_flags(args) == ["--kv-dtype int8", "--moe-reroute"]
+    assert served_compare.brook_only_flags(_args("m")) == []
+    # Every engine flag is either passed to vLLM's server too or named as Brook's alone.
+    engine = argparse.ArgumentParser()
+    _add_engine_flags(engine, model_required=False)
+    flags = {a.dest for a in engine._actions if a.option_strings} - {"help", "model"}
+    shared = {"dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens"}
+    assert flags == shared | set(served_compare._BROOK_ONLY)
 
 
 def test_vllm_gets_the_scheduler_flags_brook_gets(tmp_path: Path) -> None:

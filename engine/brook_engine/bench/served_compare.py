@@ -164,6 +164,26 @@ def _all_completed(result: dict[str, Any], requests: int) -> dict[str, Any]:
     return result
 
 
+# Bench flags that set Brook's engine alone: vLLM's server runs its own defaults for them.
+_BROOK_ONLY = (
+    "device", "num_blocks", "block_size", "kv_dtype", "one_row_weights", "quantization",
+    "group_size", "offload", "device_memory_limit_gb", "cpu_memory_pool_gb", "prefetch_layers",
+    "shapes_mode", "shape_patterns", "kernel_cache_size", "online_learning",
+    "compile_cache_dir", "moe_top_k", "moe_reroute", "moe_load_threshold",
+)  # fmt: skip
+
+
+def brook_only_flags(args: argparse.Namespace) -> list[str]:
+    """The flags given that only Brook's server takes, as ``--flag value``."""
+    given = []
+    for name in _BROOK_ONLY:
+        value = getattr(args, name, None)
+        if value is not None and value is not False:
+            flag = "--" + name.replace("_", "-")
+            given.append(flag if value is True else f"{flag} {value}")
+    return given
+
+
 def compare_served(args: argparse.Namespace, config: EngineConfig) -> int:
     """Run the comparison and print it (or JSON with ``--json``): Brook with ``config``, vLLM
     with the model, dtype, length and scheduler flags the bench was given."""
@@ -200,9 +220,10 @@ def compare_served(args: argparse.Namespace, config: EngineConfig) -> int:
         "ttft_p50": brook["median_ttft_ms"] / vllm["median_ttft_ms"],
         "tpot_p50": brook["median_tpot_ms"] / vllm["median_tpot_ms"],
     }
+    brook_only = brook_only_flags(args)
     if args.json:
         out = {"machine": machine_info(), "medians": medians, "rounds": runs, "ratios": ratios}
-        print(json.dumps(out, indent=2))
+        print(json.dumps({**out, "brook_only_flags": brook_only}, indent=2))
         return 0
     print("server | output tok/s | TTFT P50 s | TPOT P50 ms | completed | rounds (output tok/s)")
     for name, row in medians.items():
@@ -217,6 +238,8 @@ def compare_served(args: argparse.Namespace, config: EngineConfig) -> int:
         f"vLLM's serving client, {args.num_requests} random prompts of {args.input_len} in / "
         f"{args.output_len} out, {args.concurrency} concurrent, median of {args.rounds} rounds"
     )
+    if brook_only:
+        print(f"Brook's server only (vLLM's ran its own defaults): {' '.join(brook_only)}")
     print(machine_line())
     return 0
 
