@@ -20,7 +20,7 @@
 #include <string.h>
 
 #include "kernel_math.h"
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -73,6 +73,76 @@ static inline void prefetch_rows(const void *base, int64_t at, int64_t bytes, in
   const char *p = (const char *)base + at * ITEM_BYTES[kind];
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
 }
+
+#if defined(__AVX512F__)
+/* The four sums of a0..a3's lanes, in one register: a transposing add tree (10 operations
+ * where four separate reductions take ~32). */
+static inline __m128 sum4_512(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  __m512 u = _mm512_add_ps(_mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
+  u = _mm512_add_ps(u, _mm512_shuffle_f32x4(u, u, _MM_SHUFFLE(1, 0, 3, 2)));
+  u = _mm512_add_ps(u, _mm512_shuffle_f32x4(u, u, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm512_castps512_ps128(u);
+}
+
+/* Scores of n keys (rows of 64 floats) for the group's queries: four keys at a time, their
+ * dot products reduced together. */
+static inline void scores_64(const float *qs, const float *keys, int64_t n, int64_t group,
+                             float *scores, int64_t stride) {
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    const float *r = keys + i * 64;
+    for (int64_t g = 0; g < group; g++) {
+      const float *qg = qs + g * 64;
+      __m512 a[4];
+      for (int k = 0; k < 4; k++) {
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(r + k * 64));
+        for (int c = 16; c < 64; c += 16)
+          acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + c), _mm512_loadu_ps(r + k * 64 + c), acc);
+        a[k] = acc;
+      }
+      _mm_storeu_ps(scores + g * stride + i, sum4_512(a[0], a[1], a[2], a[3]));
+    }
+  }
+  for (; i < n; i++) {
+    const float *row = keys + i * 64;
+    for (int64_t g = 0; g < group; g++) {
+      const float *qg = qs + g * 64;
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(row));
+      for (int c = 16; c < 64; c += 16)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + c), _mm512_loadu_ps(row + c), acc);
+      scores[g * stride + i] = _mm512_reduce_add_ps(acc);
+    }
+  }
+}
+
+/* acc[g] += sum_j p[g][j] * values[j] for rows of 64 floats, a query head at a time with its
+ * 64 sums in four registers (summed through memory, they were loaded and stored on every
+ * row); each sum in the order of j, as before. */
+static inline void values_64(const float *values, const float *vscale, int64_t n,
+                             int64_t group, const float *scores, int64_t stride, float *acc) {
+  for (int64_t g = 0; g < group; g++) {
+    float *ag = acc + g * 64;
+    const float *sg = scores + g * stride;
+    __m512 a0 = _mm512_loadu_ps(ag), a1 = _mm512_loadu_ps(ag + 16);
+    __m512 a2 = _mm512_loadu_ps(ag + 32), a3 = _mm512_loadu_ps(ag + 48);
+    for (int64_t j = 0; j < n; j++) {
+      const float *row = values + j * 64;
+      const __m512 p = _mm512_set1_ps(vscale ? sg[j] * vscale[j] : sg[j] * 1.0f);
+      a0 = _mm512_fmadd_ps(p, _mm512_loadu_ps(row), a0);
+      a1 = _mm512_fmadd_ps(p, _mm512_loadu_ps(row + 16), a1);
+      a2 = _mm512_fmadd_ps(p, _mm512_loadu_ps(row + 32), a2);
+      a3 = _mm512_fmadd_ps(p, _mm512_loadu_ps(row + 48), a3);
+    }
+    _mm512_storeu_ps(ag, a0);
+    _mm512_storeu_ps(ag + 16, a1);
+    _mm512_storeu_ps(ag + 32, a2);
+    _mm512_storeu_ps(ag + 48, a3);
+  }
+}
+#endif
 
 /* Keys handled per pass (a larger cache block takes several): bounds the scratch. */
 enum { CHUNK = 32 };
@@ -132,6 +202,12 @@ static inline __attribute__((always_inline)) int attend(
     const float *vscale = v_scale ? v_scale + head_base + slot : NULL;
 
     int64_t i = 0;
+#if defined(__AVX512F__)
+    if (dim == 64) {
+      scores_64(qs, keys, n, group, scores, CHUNK);
+      i = n;
+    }
+#endif
     /* Four keys at a time: four independent sums per query head keep the FMA units busy
      * (one sum is a chain of dependent adds). */
     for (; i + 4 <= n; i += 4) {
@@ -191,6 +267,13 @@ static inline __attribute__((always_inline)) int attend(
       run_sum[g] += total;
     }
 
+#if defined(__AVX512F__)
+    if (dim == 64) {
+      values_64(values, vscale, n, group, scores, CHUNK, acc);
+      t += n;
+      continue;
+    }
+#endif
     for (int64_t j = 0; j < n; j++) {
       const float *row = values + j * dim;
       const float token_scale = vscale ? vscale[j] : 1.0f;
