@@ -228,10 +228,25 @@ def test_a_float32_model_keeps_fp32_copies_where_its_weights_are_packed(
     assert torch.equal(copies.engine.prompt_logits(longer), plain.engine.prompt_logits(longer))
 
 
-@pytest.mark.skipif(
+NEEDS_F32_KERNELS = pytest.mark.skipif(
     not cpu_matmul.available() or cpu_fused.one_row_path(torch.float32, torch.float32) is None,
     reason="Brook's float32 product or one-row kernel did not build here",
 )
+
+
+def _fp32_copies(make_tiny_model: Callable[..., Path]) -> LLM:
+    """The tiny Llama in float32 with ``shapes.oneRowWeights: fp32``."""
+    return LLM(
+        str(make_tiny_model("llama")),
+        dtype="float32",
+        max_model_len=128,
+        kv_cache=EXACT_KV,
+        shapes={"one_row_weights": "fp32"},
+        progress=False,
+    )
+
+
+@NEEDS_F32_KERNELS
 def test_fp32_copies_of_a_model_in_brooks_layout_are_refused(
     make_tiny_model: Callable[..., Path],
 ) -> None:
@@ -240,20 +255,10 @@ def test_fp32_copies_of_a_model_in_brooks_layout_are_refused(
     with pytest.raises(
         ConfigError, match=r"shapes\.oneRowWeights fp32: .*keeps no copy.*use model"
     ):
-        LLM(
-            str(make_tiny_model("llama")),
-            dtype="float32",
-            max_model_len=128,
-            kv_cache=EXACT_KV,
-            shapes={"one_row_weights": "fp32"},
-            progress=False,
-        )
+        _fp32_copies(make_tiny_model)
 
 
-@pytest.mark.skipif(
-    not cpu_matmul.available() or cpu_fused.one_row_path(torch.float32, torch.float32) is None,
-    reason="Brook's float32 product or one-row kernel did not build here",
-)
+@NEEDS_F32_KERNELS
 def test_a_pipeline_stage_without_copies_is_not_refused(
     make_tiny_model: Callable[..., Path], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -271,11 +276,4 @@ def test_copies_only_the_kernels_read_are_refused_without_them(
 ) -> None:
     monkeypatch.setattr(cpu_fused, "one_row_path", lambda *args: None)  # no kernels here
     with pytest.raises(ConfigError, match=r"shapes\.oneRowWeights fp32: .*do not run here"):
-        LLM(
-            str(make_tiny_model("llama")),
-            dtype="float32",
-            max_model_len=128,
-            kv_cache=EXACT_KV,
-            shapes={"one_row_weights": "fp32"},
-            progress=False,
-        )
+        _fp32_copies(make_tiny_model)
