@@ -430,6 +430,22 @@ static inline __attribute__((always_inline)) void map_block(const float *x, int6
       for (int j = 0; j < 16; j++) dst[r * dst_stride + j0 + j] = a[r][j];
 }
 
+/* `rows` (1 to 4) rows of x by the whole [dim, dim] map (dim a multiple of 16), each row
+ * count its own unrolled block. */
+static void map_rows(const float *x, int64_t x_stride, const float *m, float *dst,
+                     int64_t dst_stride, int64_t dim, int rows) {
+  for (int64_t j0 = 0; j0 < dim; j0 += 16) {
+    if (rows == 4)
+      map_block(x, x_stride, m, dst, dst_stride, dim, j0, 4);
+    else if (rows == 3)
+      map_block(x, x_stride, m, dst, dst_stride, dim, j0, 3);
+    else if (rows == 2)
+      map_block(x, x_stride, m, dst, dst_stride, dim, j0, 2);
+    else
+      map_block(x, x_stride, m, dst, dst_stride, dim, j0, 1);
+  }
+}
+
 /* INT8 KV store: each token's key (value) row of each KV head turned by the layer's folded
  * map, y = x M[h] - offset[h] (centre, balance, rotation and scale in one [dim, dim] matrix
  * per head: Int8Params.maps in kv/cache.py), rounded to nearest-even as torch.round does,
@@ -467,16 +483,7 @@ int brook_kv_store_int8(const float *x, const float *map, const float *offset, i
             turned[r * dim + j] = sum;
           }
       } else {
-        for (int64_t j0 = 0; j0 < dim; j0 += 16) {
-          if (rows == 4)
-            map_block(xb, token_stride, m, turned, dim, dim, j0, 4);
-          else if (rows == 3)
-            map_block(xb, token_stride, m, turned, dim, dim, j0, 3);
-          else if (rows == 2)
-            map_block(xb, token_stride, m, turned, dim, dim, j0, 2);
-          else
-            map_block(xb, token_stride, m, turned, dim, dim, j0, 1);
-        }
+        map_rows(xb, token_stride, m, turned, dim, dim, rows);
       }
       const float *off = offset + h * dim;
       for (int r = 0; r < rows; r++) {
@@ -517,16 +524,7 @@ int brook_head_map(const float *x, const float *map, const float *offset, float 
       const float *xb = x + t0 * token_stride + h * dim;
       const float *m = map + h * dim * dim;
       float *dst = out + (t0 * heads + h) * dim;
-      for (int64_t j0 = 0; j0 < dim; j0 += 16) {
-        if (rows == 4)
-          map_block(xb, token_stride, m, dst, heads * dim, dim, j0, 4);
-        else if (rows == 3)
-          map_block(xb, token_stride, m, dst, heads * dim, dim, j0, 3);
-        else if (rows == 2)
-          map_block(xb, token_stride, m, dst, heads * dim, dim, j0, 2);
-        else
-          map_block(xb, token_stride, m, dst, heads * dim, dim, j0, 1);
-      }
+      map_rows(xb, token_stride, m, dst, heads * dim, dim, rows);
       if (offset != NULL)
         for (int r = 0; r < rows; r++)
           for (int64_t j = 0; j < dim; j++) dst[r * heads * dim + j] += offset[h * dim + j];
