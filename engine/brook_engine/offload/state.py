@@ -4,7 +4,8 @@ once at load; the adaptive policy moves pieces between resident and streamed bet
 (``evict`` / ``restore``), after which the rings are laid out again.
 
 A streamed piece's bytes are written to the host pool or the spill file once and read back
-on every use; a resident piece owns its tensors (on CPU, float weights packed)."""
+on every use (on CPU the spill file is read in place, mapped); a resident piece owns its
+tensors (on CPU, float weights packed)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from brook_engine.offload.ledger import WeightLedger
 from brook_engine.offload.payload import Handle, bind, layout, pack, point
 from brook_engine.offload.plan import PIECE_KINDS, PieceKind, RankPlan, size_text
 from brook_engine.offload.streamer import Ring, WeightStreamer
-from brook_engine.offload.tiers import HostPool, SpillFile
+from brook_engine.offload.tiers import FILE_ALIGN, HostPool, SpillFile, SpillMap
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,8 @@ class OffloadState:
         self.pool_limit = pool_limit  # bytes; None: no limit
         self.host = HostPool(pinned=device.type != "cpu")
         self.spill: SpillFile | None = None
-        self.slots: dict[str, list[torch.Tensor]] = {k: [] for k in PIECE_KINDS}
+        self.mapped: SpillMap | None = None  # CPU: the spill file mapped, for good
+        self.slots: dict[str, list[torch.Tensor | None]] = {k: [] for k in PIECE_KINDS}
         self.changes = 0
         self._threads_before: int | None = None  # compute threads before one was given up
 
@@ -137,16 +139,26 @@ class OffloadState:
         by_kind: dict[str, list[Key]] = {
             k: [p for p in self.streamed if p[1] == k] for k in PIECE_KINDS
         }
+        if self.mapped is None and self.device.type == "cpu" and self.spill is not None:
+            self.mapped = SpillMap(self.spill, self._spill_reserve())
+        windows: dict[str, list[torch.Tensor | None]] = {}
         for kind in PIECE_KINDS:
+            windows[kind] = [self._window(k) for k in by_kind[kind]]
+            copied = any(w is None for w in windows[kind])
             want = min(self.prefetch + 1, len(by_kind[kind]))
             have = self.slots[kind]
             size = self.piece_bytes[kind]
             while len(have) > want:
                 have.pop()
                 self.ledger.release(size, "slots")
-            while len(have) < want:
+            while len(have) < want:  # charged whether a buffer or mapped pages fill it
                 self.ledger.charge(size, "slots", f"{kind} slot {len(have)}")
-                have.append(torch.empty(size, dtype=torch.uint8, device=self.device))
+                have.append(None)
+            for i, buffer in enumerate(have):  # a buffer only where pieces are copied in
+                if copied and buffer is None:
+                    have[i] = torch.empty(size, dtype=torch.uint8, device=self.device)
+                elif not copied:
+                    have[i] = None
         rings: list[Ring] = []
         layer_pieces: dict[int, list[tuple[int, int]]] = {}
         for kind in PIECE_KINDS:
@@ -156,31 +168,52 @@ class OffloadState:
             ring_index = len(rings)
             slots = self.slots[kind]
             for position, key in enumerate(keys):
-                bind(self.pieces[key].handles, slots[position % len(slots)])
+                window = windows[kind][position]
+                slot = slots[position % len(slots)]
+                target = window if window is not None else slot
+                assert target is not None
+                bind(self.pieces[key].handles, target)
                 layer_pieces.setdefault(key[0] - self.start, []).append((ring_index, position))
-            rings.append(Ring(slots, [self.key_of(k) for k in keys]))
+            rings.append(Ring(slots, [self.key_of(k) for k in keys], windows[kind]))
         streamer = None
         if rings:
             staging = None
             if self.device.type != "cpu" and self.spill is not None:
                 staging = [
-                    [torch.empty(t.numel(), dtype=torch.uint8, pin_memory=True) for t in ring.slots]
-                    for ring in rings
+                    [
+                        torch.empty(self.piece_bytes[k], dtype=torch.uint8, pin_memory=True)
+                        for _ in ring.slots
+                    ]
+                    for ring, k in zip(rings, [k for k in PIECE_KINDS if by_kind[k]], strict=True)
                 ]
             streamer = WeightStreamer(
-                self.device, rings, layer_pieces, self.host, self.spill, staging
+                self.device, rings, layer_pieces, self.host, self.spill, staging, self.mapped
             )
             if isinstance(old, WeightStreamer):
                 streamer.stats = old.stats  # the counters run on across layouts
         self.holder.streamer = streamer
-        self._share_cores(streamer is not None)
+        copies = any(w is None for ws in windows.values() for w in ws)
+        self._share_cores(streamer is not None and copies)
         return streamer
 
+    def _spill_reserve(self) -> int:
+        """The most the spill file can hold: every piece of the rank (a piece moved out
+        again is written over its earlier bytes)."""
+        return sum(-(-self.piece_bytes[k] // FILE_ALIGN) * FILE_ALIGN for _, k in self.pieces)
+
+    def _window(self, key: Key) -> torch.Tensor | None:
+        """A streamed piece's bytes read in place (CPU, spill file), else None (copied)."""
+        stored = self.key_of(key)
+        if self.mapped is None or stored in self.host.buffers:
+            return None
+        return self.mapped.window(stored)
+
     def _share_cores(self, streaming: bool) -> None:
-        """On CPU, leave one core to the copy thread while pieces stream: a copy on a core
-        that an OpenMP thread of the products also runs on stalls every parallel region
-        (measured: a 1 GiB model at 42% resident, 28.0 tok/s with both cores computing and
-        51.9 with one; SmolLM2 alike either way — docs/offload.md)."""
+        """On CPU, leave one core to the copy thread while pieces are copied (from a host
+        pool; the spill file is mapped, not copied): a copy on a core that an OpenMP thread
+        of the products also runs on stalls every parallel region (measured: a 1 GiB model
+        at 42% resident, 28.0 tok/s with both cores computing and 51.9 with one —
+        docs/offload.md)."""
         if self.device.type != "cpu":
             return
         if streaming and self._threads_before is None:
@@ -267,6 +300,14 @@ class OffloadState:
         streamer = getattr(self.holder, "streamer", None)
         if isinstance(streamer, WeightStreamer):
             streamer.close()
+        if self.mapped is not None:
+            for key in self.streamed:  # nothing points into the mapping once it is gone
+                self._park(self.pieces[key])
+            forget = getattr(getattr(self.holder, "row_decoding", None), "forget", None)
+            if forget is not None:
+                forget()
+            self.holder.streamer = None
+            self.mapped.close()
         if self.spill is not None:
             self.spill.close()
         self._share_cores(False)

@@ -7,8 +7,10 @@ hands its slot to the next piece that uses it (``k + S``, or at the end of the s
 next step's first), so while layer ``i`` computes, the next ``S - 1`` streamed pieces of
 each kind are on their way.
 
-A copy thread does the filling. On CPU it copies from the host pool or reads the spill file
-straight into the slot; on NPU and CUDA it issues the host-to-device copy on a side stream
+A copy thread does the filling. On CPU a piece of the spill file is not copied: its tensors
+are views of the file mapped in place, filling maps its pages in and the next piece to take
+its slot maps them out again (``SpillMap``); a piece of a host pool is copied into the slot.
+On NPU and CUDA it issues the host-to-device copy on a side stream
 (waiting there for the slot's last reader) and the compute stream waits on the copy's
 event, so the host never blocks on a transfer that is on time. ``before_layer`` waits only
 for a piece that is not there yet: that wait is the transfer time compute did not hide.
@@ -27,7 +29,7 @@ from typing import Any
 
 import torch
 
-from brook_engine.offload.tiers import HostPool, SpillFile
+from brook_engine.offload.tiers import HostPool, SpillFile, SpillMap
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +64,21 @@ class _Fill:
 
 
 class Ring:
-    """One kind's slots and the streamed pieces (keys into the tiers) they take in turn."""
+    """One kind's slots and the streamed pieces (keys into the tiers) they take in turn.
 
-    def __init__(self, slots: list[torch.Tensor], keys: list[int]) -> None:
+    ``windows[k]`` is piece ``k``'s own mapped bytes where it is read in place (CPU, spill
+    file), else None and the piece is copied into its slot; a slot no piece is copied into
+    has no buffer (None), only its share of the budget."""
+
+    def __init__(
+        self,
+        slots: list[torch.Tensor | None],
+        keys: list[int],
+        windows: list[torch.Tensor | None] | None = None,
+    ) -> None:
         self.slots = slots
         self.keys = keys
+        self.windows = windows or [None] * len(keys)
 
     def slot_of(self, position: int) -> int:
         return position % len(self.slots)
@@ -88,11 +100,13 @@ class WeightStreamer:
         host: HostPool,
         spill: SpillFile | None,
         staging: list[list[torch.Tensor]] | None = None,  # accelerators: pinned, per slot
+        mapped: SpillMap | None = None,  # CPU: the spill file read in place
     ) -> None:
         self.device = device
         self.rings = rings
         self.layer_pieces = layer_pieces
-        self.host, self.spill = host, spill
+        self.host, self.spill, self.mapped = host, spill, mapped
+        self._mapped_in: dict[tuple[int, int], int] = {}  # (ring, slot) → key mapped in
         self.staging = staging
         self.stats = StreamStats()
         self._lock = threading.Lock()
@@ -167,6 +181,13 @@ class WeightStreamer:
         finally:
             self.after_layer(layer)
 
+    def mapped_in(self) -> list[int]:
+        """The keys of the spill file's pieces mapped in once the fills queued are done
+        (CPU; the pages the process holds of the file)."""
+        for fill in list(self._state.values()):
+            fill.done.wait()
+        return list(self._mapped_in.values())
+
     def reset_stats(self) -> None:
         """Start the counters again (after start-up's calibration and warm-up)."""
         self.stats = StreamStats()
@@ -202,12 +223,24 @@ class WeightStreamer:
         slot = ring.slots[fill.slot]
         source = self.host.buffers.get(key)
         if not self._accel:
+            earlier = self._mapped_in.pop((fill.ring, fill.slot), None)
+            if earlier is not None and earlier != key:
+                assert self.mapped is not None
+                self.mapped.drop(earlier)  # the slot's last piece: its layer is done
+            window = ring.windows[fill.position]
+            if window is not None:
+                assert self.mapped is not None
+                self.mapped.populate(key)
+                self._mapped_in[(fill.ring, fill.slot)] = key
+                return window.numel()
+            assert slot is not None
             if source is not None:
                 slot.copy_(source)
             else:
                 assert self.spill is not None
                 self.spill.read_into(key, slot)
             return slot.numel()
+        assert slot is not None
         if source is None:  # disk → pinned staging → device
             assert self.spill is not None and self.staging is not None
             source = self.staging[fill.ring][fill.slot]
@@ -257,4 +290,8 @@ class WeightStreamer:
             self._thread.join(timeout=60)
         if self._accel:
             self._side.synchronize()  # the copies issued have landed before slots change
+        if self.mapped is not None:  # the next layout maps its own pieces in
+            for key in self._mapped_in.values():
+                self.mapped.drop(key)
+            self._mapped_in.clear()
         self.snapshot()

@@ -5,6 +5,7 @@ budgets that cannot hold the fixed weights and slots are refused with the number
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 from typing import Any
 
@@ -43,15 +44,29 @@ def _weights(llm: LLM) -> int:
 
 def _held_weight_bytes(llm: LLM) -> int:
     """Bytes of every weight tensor the model holds, counted from the tensors themselves
-    (each storage once: slot views are one slot), independently of the ledger."""
+    (each storage once: slot views are one slot), independently of the ledger. Pieces read
+    in place from the mapped spill file count as what of it is mapped in, not as the file's
+    size: the kernel's count of the mapping's pages (/proc/self/smaps) must be no more than
+    the pages of the pieces the streamer mapped in, and those pieces count at their bytes
+    (a page's unused tail is the kernel's rounding, as malloc's is for other tensors)."""
     model = llm.engine.runner.model
     seen: dict[int, int] = {}
+    mapped = getattr(model.streamer, "mapped", None)
+    if mapped is not None:
+        start = mapped.base
+        in_place = range(start, start + mapped.length)
+        sizes = [mapped.offsets[key][1] for key in model.streamer.mapped_in()]  # settled
+        pages = sum(-(-n // mmap.PAGESIZE) * mmap.PAGESIZE for n in sizes)
+        assert 0 <= mapped.resident_bytes() <= pages
+        seen[start] = sum(sizes)
 
     def count(t: object) -> None:
         if not isinstance(t, torch.Tensor) or t.numel() == 0:
             return
         if t.is_mkldnn:
             seen[id(t)] = t.numel() * t.element_size()
+        elif mapped is not None and t.untyped_storage().data_ptr() in in_place:
+            return  # counted above, as pages mapped in
         else:
             storage = t.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
@@ -143,12 +158,19 @@ def test_ledger_holds_the_budget_every_step_and_transfers_are_counted(deep_llama
     threads = torch.get_num_threads()
     llm = _engine(deep_llama, offload={"policy": "static", "device_memory_limit_gb": budget / GIB})
     try:
-        # one core left to the copy thread while pieces stream (given back at close)
-        assert torch.get_num_threads() == max(1, threads - 1)
+        # the spill file is read in place, not copied: no core is given up to the copy thread
+        assert torch.get_num_threads() == threads
         runner = _runner(llm)
         streamer = runner.model.streamer
         assert isinstance(streamer, WeightStreamer)
         assert streamer.spill is not None  # on CPU the streamed pieces come from disk
+        assert streamer.mapped is not None
+        start = streamer.mapped.base
+        for ring in streamer.rings:  # every piece's bytes are its own pages of the file
+            assert all(s is None for s in ring.slots)
+            for window in ring.windows:
+                assert window is not None
+                assert start <= window.data_ptr() < start + streamer.mapped.length
         engine = llm.engine
         params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
         for i, prompt in enumerate(random_prompts(320, [7, 30, 12, 3], seed=5)):
@@ -186,6 +208,7 @@ def test_host_pool_tier_serves_pieces_too(deep_llama: Path) -> None:
     """The tier accelerators stream from (pinned host memory), run on CPU: with a pool that
     holds half the streamed pieces, the rest come from the spill file."""
     prompts = random_prompts(320, [9, 21], seed=4)
+    threads = torch.get_num_threads()
     reference = _engine(deep_llama)
     expected = _generate(reference, prompts)
     total = _weights(reference)
@@ -201,9 +224,15 @@ def test_host_pool_tier_serves_pieces_too(deep_llama: Path) -> None:
     try:
         plan = _runner(llm).offload_plan
         assert 0 < plan.host_pieces < len(plan.streamed)
+        # pool pieces are copied into slots: one core is left to the copy thread
+        assert torch.get_num_threads() == max(1, threads - 1)
+        rings = _runner(llm).model.streamer.rings
+        assert any(w is None for r in rings for w in r.windows)  # copied from the pool
+        assert any(w is not None for r in rings for w in r.windows)  # read in place
         assert _generate(llm, prompts) == expected
     finally:
         llm.close()
+    assert torch.get_num_threads() == threads
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
