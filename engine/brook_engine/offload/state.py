@@ -69,6 +69,7 @@ class OffloadState:
         self.host = HostPool(pinned=device.type != "cpu")
         self.spill: SpillFile | None = None
         self.mapped: SpillMap | None = None  # CPU: the spill file mapped, for good
+        self._unmappable = False
         self.slots: dict[str, list[torch.Tensor | None]] = {k: [] for k in PIECE_KINDS}
         self.changes = 0
         self._threads_before: int | None = None  # compute threads before one was given up
@@ -140,7 +141,7 @@ class OffloadState:
             k: [p for p in self.streamed if p[1] == k] for k in PIECE_KINDS
         }
         if self.mapped is None and self.device.type == "cpu" and self.spill is not None:
-            self.mapped = SpillMap(self.spill, self._spill_reserve())
+            self._map_spill(self.spill)
         windows: dict[str, list[torch.Tensor | None]] = {}
         for kind in PIECE_KINDS:
             windows[kind] = [self._window(k) for k in by_kind[kind]]
@@ -195,6 +196,23 @@ class OffloadState:
         copies = any(w is None for ws in windows.values() for w in ws)
         self._share_cores(streamer is not None and copies)
         return streamer
+
+    def _map_spill(self, spill: SpillFile) -> None:
+        """Map the spill file to read pieces in place; where its folder's filesystem cannot
+        be mapped, pieces are copied into slots instead (said once)."""
+        if self._unmappable:
+            return
+        try:
+            self.mapped = SpillMap(spill, self._spill_reserve())
+        except OSError as exc:
+            self._unmappable = True
+            log.warning(
+                "weight offload: the spill file in %s cannot be mapped (%s); streamed pieces "
+                "are copied instead, on a core of their own (set BROOK_OFFLOAD_DIR to a local "
+                "filesystem to read them in place)",
+                spill.folder,
+                exc,
+            )
 
     def _spill_reserve(self) -> int:
         """The most the spill file can hold: every piece of the rank (a piece moved out

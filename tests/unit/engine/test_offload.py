@@ -21,6 +21,7 @@ from brook_engine.config import ConfigError
 from brook_engine.layers import cpu_kernels, cpu_matmul
 from brook_engine.layers.linear import Linear
 from brook_engine.metrics.prometheus import EngineMetrics
+from brook_engine.offload import tiers
 from brook_engine.offload.plan import GIB
 from brook_engine.offload.streamer import WeightStreamer
 
@@ -229,6 +230,39 @@ def test_host_pool_tier_serves_pieces_too(deep_llama: Path) -> None:
         rings = _runner(llm).model.streamer.rings
         assert any(w is None for r in rings for w in r.windows)  # copied from the pool
         assert any(w is not None for r in rings for w in r.windows)  # read in place
+        assert _generate(llm, prompts) == expected
+    finally:
+        llm.close()
+    assert torch.get_num_threads() == threads
+
+
+def test_a_spill_file_that_cannot_be_mapped_is_copied_instead(
+    deep_llama: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A filesystem that refuses mmap (nothing here refuses it, so the mapping call is made
+    to fail): pieces are read into slots by the copy thread, on a core of its own, and the
+    tokens are the same."""
+    prompts = random_prompts(320, [9, 21], seed=4)
+    threads = torch.get_num_threads()
+    reference = _engine(deep_llama)
+    expected = _generate(reference, prompts)
+    total = _weights(reference)
+    reference.close()
+
+    def refuse(fd: int, length: int) -> int:
+        raise OSError(19, "No such device")
+
+    monkeypatch.setattr(tiers, "_map_aligned", refuse)
+    with caplog.at_level("WARNING", logger="brook_engine.offload.state"):
+        llm = _engine(
+            deep_llama, offload={"policy": "static", "device_memory_limit_gb": 0.4 * total / GIB}
+        )
+    try:
+        streamer = _runner(llm).model.streamer
+        assert streamer.mapped is None
+        assert all(slot is not None for ring in streamer.rings for slot in ring.slots)
+        assert torch.get_num_threads() == max(1, threads - 1)
+        assert "cannot be mapped" in caplog.text and "BROOK_OFFLOAD_DIR" in caplog.text
         assert _generate(llm, prompts) == expected
     finally:
         llm.close()
