@@ -133,9 +133,7 @@ class OffloadState:
         old = getattr(self.holder, "streamer", None)
         if isinstance(old, WeightStreamer):
             old.close()  # every copy it issued has landed
-        forget = getattr(getattr(self.holder, "row_decoding", None), "forget", None)
-        if forget is not None:
-            forget()  # one-row plans hold the tensors of the old layout
+        self._forget_row_plans()  # they hold the tensors of the old layout
         self.streamed.sort()
         by_kind: dict[str, list[Key]] = {
             k: [p for p in self.streamed if p[1] == k] for k in PIECE_KINDS
@@ -161,12 +159,14 @@ class OffloadState:
                 elif not copied:
                     have[i] = None
         rings: list[Ring] = []
+        ring_kinds: list[str] = []
         layer_pieces: dict[int, list[tuple[int, int]]] = {}
         for kind in PIECE_KINDS:
             keys = by_kind[kind]
             if not keys:
                 continue
             ring_index = len(rings)
+            ring_kinds.append(kind)
             slots = self.slots[kind]
             for position, key in enumerate(keys):
                 window = windows[kind][position]
@@ -185,7 +185,7 @@ class OffloadState:
                         torch.empty(self.piece_bytes[k], dtype=torch.uint8, pin_memory=True)
                         for _ in ring.slots
                     ]
-                    for ring, k in zip(rings, [k for k in PIECE_KINDS if by_kind[k]], strict=True)
+                    for ring, k in zip(rings, ring_kinds, strict=True)
                 ]
             streamer = WeightStreamer(
                 self.device, rings, layer_pieces, self.host, self.spill, staging, self.mapped
@@ -196,6 +196,12 @@ class OffloadState:
         copies = any(w is None for ws in windows.values() for w in ws)
         self._share_cores(streamer is not None and copies)
         return streamer
+
+    def _forget_row_plans(self) -> None:
+        """Drop the one-row kernel's per-layer plans (they keep the tensors they point at)."""
+        forget = getattr(getattr(self.holder, "row_decoding", None), "forget", None)
+        if forget is not None:
+            forget()
 
     def _map_spill(self, spill: SpillFile) -> None:
         """Map the spill file to read pieces in place; where its folder's filesystem cannot
@@ -321,9 +327,7 @@ class OffloadState:
         if self.mapped is not None:
             for key in self.streamed:  # nothing points into the mapping once it is gone
                 self._park(self.pieces[key])
-            forget = getattr(getattr(self.holder, "row_decoding", None), "forget", None)
-            if forget is not None:
-                forget()
+            self._forget_row_plans()
             self.holder.streamer = None
             self.mapped.close()
         if self.spill is not None:

@@ -93,6 +93,15 @@ def _held_weight_bytes(llm: LLM) -> int:
     return sum(seen.values())
 
 
+def _all_resident(model: Path, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
+    """The all-resident engine's tokens for ``prompts`` and its weight bytes."""
+    reference = _engine(model)
+    try:
+        return _generate(reference, prompts), _weights(reference)
+    finally:
+        reference.close()
+
+
 def _runner(llm: LLM) -> Any:
     return llm.engine.runner
 
@@ -210,10 +219,7 @@ def test_host_pool_tier_serves_pieces_too(deep_llama: Path) -> None:
     holds half the streamed pieces, the rest come from the spill file."""
     prompts = random_prompts(320, [9, 21], seed=4)
     threads = torch.get_num_threads()
-    reference = _engine(deep_llama)
-    expected = _generate(reference, prompts)
-    total = _weights(reference)
-    reference.close()
+    expected, total = _all_resident(deep_llama, prompts)
     llm = _engine(
         deep_llama,
         offload={
@@ -244,10 +250,7 @@ def test_a_spill_file_that_cannot_be_mapped_is_copied_instead(
     tokens are the same."""
     prompts = random_prompts(320, [9, 21], seed=4)
     threads = torch.get_num_threads()
-    reference = _engine(deep_llama)
-    expected = _generate(reference, prompts)
-    total = _weights(reference)
-    reference.close()
+    expected, total = _all_resident(deep_llama, prompts)
 
     def refuse(fd: int, length: int) -> int:
         raise OSError(19, "No such device")
