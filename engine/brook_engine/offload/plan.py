@@ -110,8 +110,9 @@ def size_text(nbytes: float) -> str:
     return f"{nbytes / (1 << 20):.2f} MiB"
 
 
-def aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
+def aligned(nbytes: int, to: int = ALIGN) -> int:
+    """``nbytes`` rounded up to a multiple of ``to``."""
+    return -(-nbytes // to) * to
 
 
 def head_stored_int8(data: Mapping[str, Any]) -> bool:

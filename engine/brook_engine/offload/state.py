@@ -21,7 +21,7 @@ from tqdm import tqdm
 from brook_engine.layers.linear import pack_cpu_weights
 from brook_engine.offload.ledger import WeightLedger
 from brook_engine.offload.payload import Handle, bind, layout, pack, point
-from brook_engine.offload.plan import PIECE_KINDS, PieceKind, RankPlan, size_text
+from brook_engine.offload.plan import PIECE_KINDS, PieceKind, RankPlan, aligned, size_text
 from brook_engine.offload.streamer import Ring, WeightStreamer
 from brook_engine.offload.tiers import FILE_ALIGN, HostPool, SpillFile, SpillMap
 
@@ -223,7 +223,7 @@ class OffloadState:
     def _spill_reserve(self) -> int:
         """The most the spill file can hold: every piece of the rank (a piece moved out
         again is written over its earlier bytes)."""
-        return sum(-(-self.piece_bytes[k] // FILE_ALIGN) * FILE_ALIGN for _, k in self.pieces)
+        return sum(aligned(self.piece_bytes[k], FILE_ALIGN) for _, k in self.pieces)
 
     def _window(self, key: Key) -> torch.Tensor | None:
         """A streamed piece's bytes read in place (CPU, spill file), else None (copied)."""

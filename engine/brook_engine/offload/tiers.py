@@ -19,6 +19,8 @@ import tempfile
 
 import torch
 
+from brook_engine.offload.plan import aligned
+
 log = logging.getLogger(__name__)
 
 #: Pieces start at multiples of this in the spill file: direct-I/O friendly, and the
@@ -78,7 +80,7 @@ class SpillFile:
         if earlier is not None and earlier[1] == data.numel():
             offset = earlier[0]
         else:
-            offset = -(-self.size // FILE_ALIGN) * FILE_ALIGN
+            offset = aligned(self.size, FILE_ALIGN)
         view = memoryview(bytes(0)) if data.numel() == 0 else writable(data)
         written = 0
         while written < len(view):
@@ -122,7 +124,7 @@ class SpillMap:
     def __init__(self, spill: SpillFile, reserve: int) -> None:
         self.offsets = spill.offsets  # live: pieces moved out later are written after
         self.map_fd = spill.fd
-        self.length = -(-max(reserve, spill.size, 1) // MAP_ALIGN) * MAP_ALIGN
+        self.length = aligned(max(reserve, spill.size, 1), MAP_ALIGN)
         self.base = _map_aligned(spill.fd, self.length)
         self.populates = True
 
@@ -211,7 +213,7 @@ def _map_aligned(fd: int, length: int) -> int:
         errno = ctypes.get_errno()
         raise OSError(errno, f"reserving {span} bytes of addresses: {os.strerror(errno)}")
     reserved = int(got_reserve)
-    start = -(-reserved // MAP_ALIGN) * MAP_ALIGN
+    start = aligned(reserved, MAP_ALIGN)
     prot = mmap.PROT_READ | mmap.PROT_WRITE
     got = _libc.mmap(start, length, prot, mmap.MAP_PRIVATE | _MAP_FIXED, fd, 0)
     if got != start:

@@ -22,7 +22,7 @@ from brook_engine.layers import cpu_kernels, cpu_matmul
 from brook_engine.layers.linear import Linear
 from brook_engine.metrics.prometheus import EngineMetrics
 from brook_engine.offload import tiers
-from brook_engine.offload.plan import GIB
+from brook_engine.offload.plan import GIB, aligned
 from brook_engine.offload.streamer import WeightStreamer
 
 NEW = 24
@@ -57,7 +57,7 @@ def _held_weight_bytes(llm: LLM) -> int:
         start = mapped.base
         in_place = range(start, start + mapped.length)
         sizes = [mapped.offsets[key][1] for key in model.streamer.mapped_in()]  # settled
-        pages = sum(-(-n // mmap.PAGESIZE) * mmap.PAGESIZE for n in sizes)
+        pages = sum(aligned(n, mmap.PAGESIZE) for n in sizes)
         assert 0 <= mapped.resident_bytes() <= pages
         seen[start] = sum(sizes)
 
