@@ -87,61 +87,163 @@ static inline __m128 sum4_512(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
   return _mm512_castps512_ps128(u);
 }
 
-/* Scores of n keys (rows of 64 floats) for the group's queries: four keys at a time, their
- * dot products reduced together. */
-static inline void scores_64(const float *qs, const float *keys, int64_t n, int64_t group,
-                             float *scores, int64_t stride) {
+/* 16 stored values from element `at` of `base` as float32, converted in registers (exact,
+ * as to_float converts): the chunk's keys and values are read where they lie, with no
+ * float32 copy written and read back. `kind` is a constant where inlined. */
+static inline __attribute__((always_inline)) __m512 load16(const void *base, int64_t at,
+                                                           const int kind) {
+  if (kind == KIND_BF16) {
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + at));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  if (kind == KIND_F16)
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + at)));
+  if (kind == KIND_I8)
+    return _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)base + at))));
+  return _mm512_loadu_ps((const float *)base + at);
+}
+
+/* Scores of n keys (rows of 16 * cols values from element `at`) for query heads g0 ..
+ * g0 + gt - 1: four keys at a time, each key's columns loaded once for the tile's heads, the
+ * 4 * gt dot products kept as independent chains (one head's four chains alone waited on
+ * the multiply-add latency), each reduced as before: the sum over columns in order, then
+ * four keys together by the add tree (the last n % 4 keys one at a time). */
+static inline __attribute__((always_inline)) void scores_tile(
+    const float *qs, const void *kb, int64_t at, int64_t n, int64_t g0, float *scores,
+    int64_t stride, const int kind, const int cols, const int gt) {
+  const int64_t dim = 16 * cols;
   int64_t i = 0;
   for (; i + 4 <= n; i += 4) {
-    const float *r = keys + i * 64;
-    for (int64_t g = 0; g < group; g++) {
-      const float *qg = qs + g * 64;
-      __m512 a[4];
-      for (int k = 0; k < 4; k++) {
-        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(r + k * 64));
-        for (int c = 16; c < 64; c += 16)
-          acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + c), _mm512_loadu_ps(r + k * 64 + c), acc);
-        a[k] = acc;
+    __m512 a[4][4];
+#pragma GCC unroll 8
+    for (int c = 0; c < cols; c++) {
+      __m512 key[4];
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; k++) key[k] = load16(kb, at + (i + k) * dim + 16 * c, kind);
+#pragma GCC unroll 4
+      for (int g = 0; g < gt; g++) {
+        const __m512 qv = _mm512_loadu_ps(qs + (g0 + g) * dim + 16 * c);
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++)
+          a[g][k] = c == 0 ? _mm512_mul_ps(qv, key[k]) : _mm512_fmadd_ps(qv, key[k], a[g][k]);
       }
-      _mm_storeu_ps(scores + g * stride + i, sum4_512(a[0], a[1], a[2], a[3]));
     }
+#pragma GCC unroll 4
+    for (int g = 0; g < gt; g++)
+      _mm_storeu_ps(scores + (g0 + g) * stride + i, sum4_512(a[g][0], a[g][1], a[g][2], a[g][3]));
   }
   for (; i < n; i++) {
-    const float *row = keys + i * 64;
-    for (int64_t g = 0; g < group; g++) {
-      const float *qg = qs + g * 64;
-      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(row));
-      for (int c = 16; c < 64; c += 16)
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + c), _mm512_loadu_ps(row + c), acc);
-      scores[g * stride + i] = _mm512_reduce_add_ps(acc);
+    __m512 a[4];
+#pragma GCC unroll 8
+    for (int c = 0; c < cols; c++) {
+      const __m512 key = load16(kb, at + i * dim + 16 * c, kind);
+#pragma GCC unroll 4
+      for (int g = 0; g < gt; g++) {
+        const __m512 qv = _mm512_loadu_ps(qs + (g0 + g) * dim + 16 * c);
+        a[g] = c == 0 ? _mm512_mul_ps(qv, key) : _mm512_fmadd_ps(qv, key, a[g]);
+      }
     }
+#pragma GCC unroll 4
+    for (int g = 0; g < gt; g++) scores[(g0 + g) * stride + i] = _mm512_reduce_add_ps(a[g]);
   }
 }
 
-/* acc[g] += sum_j p[g][j] * values[j] for rows of 64 floats, a query head at a time with its
- * 64 sums in four registers (summed through memory, they were loaded and stored on every
- * row); each sum in the order of j, as before. */
-static inline void values_64(const float *values, const float *vscale, int64_t n,
-                             int64_t group, const float *scores, int64_t stride, float *acc) {
-  for (int64_t g = 0; g < group; g++) {
-    float *ag = acc + g * 64;
-    const float *sg = scores + g * stride;
-    __m512 a0 = _mm512_loadu_ps(ag), a1 = _mm512_loadu_ps(ag + 16);
-    __m512 a2 = _mm512_loadu_ps(ag + 32), a3 = _mm512_loadu_ps(ag + 48);
-    for (int64_t j = 0; j < n; j++) {
-      const float *row = values + j * 64;
-      const __m512 p = _mm512_set1_ps(vscale ? sg[j] * vscale[j] : sg[j] * 1.0f);
-      a0 = _mm512_fmadd_ps(p, _mm512_loadu_ps(row), a0);
-      a1 = _mm512_fmadd_ps(p, _mm512_loadu_ps(row + 16), a1);
-      a2 = _mm512_fmadd_ps(p, _mm512_loadu_ps(row + 32), a2);
-      a3 = _mm512_fmadd_ps(p, _mm512_loadu_ps(row + 48), a3);
+/* acc[g] += sum_j p[g][j] * values[j] for query heads g0 .. g0 + gt - 1 (gt * cols <= 16):
+ * each value row loaded once for the tile's heads, whose gt * cols sums stay in registers
+ * across the chunk (independent chains, where one head at a time waited on the
+ * multiply-add latency); each sum still in the order of j. */
+static inline __attribute__((always_inline)) void values_tile(
+    const void *vb, int64_t at, const float *vscale, int64_t n, int64_t g0,
+    const float *scores, int64_t stride, float *acc, const int kind, const int cols,
+    const int gt) {
+  const int64_t dim = 16 * cols;
+  __m512 a[4][8];
+#pragma GCC unroll 4
+  for (int g = 0; g < gt; g++)
+#pragma GCC unroll 8
+    for (int c = 0; c < cols; c++) a[g][c] = _mm512_loadu_ps(acc + (g0 + g) * dim + 16 * c);
+  for (int64_t j = 0; j < n; j++) {
+    __m512 row[8];
+#pragma GCC unroll 8
+    for (int c = 0; c < cols; c++) row[c] = load16(vb, at + j * dim + 16 * c, kind);
+#pragma GCC unroll 4
+    for (int g = 0; g < gt; g++) {
+      const float s = scores[(g0 + g) * stride + j];
+      const __m512 p = _mm512_set1_ps(vscale ? s * vscale[j] : s * 1.0f);
+#pragma GCC unroll 8
+      for (int c = 0; c < cols; c++) a[g][c] = _mm512_fmadd_ps(p, row[c], a[g][c]);
     }
-    _mm512_storeu_ps(ag, a0);
-    _mm512_storeu_ps(ag + 16, a1);
-    _mm512_storeu_ps(ag + 32, a2);
-    _mm512_storeu_ps(ag + 48, a3);
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < gt; g++)
+#pragma GCC unroll 8
+    for (int c = 0; c < cols; c++) _mm512_storeu_ps(acc + (g0 + g) * dim + 16 * c, a[g][c]);
+}
+
+/* The group's query heads in tiles of up to 4 (scores) and 16 / cols (values), each tile
+ * size its own unrolled code. */
+static inline __attribute__((always_inline)) void scores_kind(
+    const float *qs, const void *kb, int64_t at, int64_t n, int64_t group, float *scores,
+    int64_t stride, const int kind, const int cols) {
+  for (int64_t g0 = 0; g0 < group; g0 += 4) {
+    const int64_t gt = group - g0 < 4 ? group - g0 : 4;
+    if (gt == 4)
+      scores_tile(qs, kb, at, n, g0, scores, stride, kind, cols, 4);
+    else if (gt == 3)
+      scores_tile(qs, kb, at, n, g0, scores, stride, kind, cols, 3);
+    else if (gt == 2)
+      scores_tile(qs, kb, at, n, g0, scores, stride, kind, cols, 2);
+    else
+      scores_tile(qs, kb, at, n, g0, scores, stride, kind, cols, 1);
   }
 }
+
+static inline __attribute__((always_inline)) void values_kind(
+    const void *vb, int64_t at, const float *vscale, int64_t n, int64_t group,
+    const float *scores, int64_t stride, float *acc, const int kind, const int cols) {
+  const int64_t most = 16 / cols;
+  for (int64_t g0 = 0; g0 < group; g0 += most) {
+    const int64_t gt = group - g0 < most ? group - g0 : most;
+    if (gt == 4)
+      values_tile(vb, at, vscale, n, g0, scores, stride, acc, kind, cols, 4);
+    else if (gt == 3)
+      values_tile(vb, at, vscale, n, g0, scores, stride, acc, kind, cols, 3);
+    else if (gt == 2)
+      values_tile(vb, at, vscale, n, g0, scores, stride, acc, kind, cols, 2);
+    else
+      values_tile(vb, at, vscale, n, g0, scores, stride, acc, kind, cols, 1);
+  }
+}
+
+/* One function per (head size, storage type), so each is compiled for exactly its loads. */
+typedef void (*scores_fn)(const float *, const void *, int64_t, int64_t, int64_t, float *,
+                          int64_t);
+typedef void (*values_fn)(const void *, int64_t, const float *, int64_t, int64_t,
+                          const float *, int64_t, float *);
+#define FUSED(NAME, KIND, COLS)                                                              \
+  static __attribute__((noinline)) void scores_##NAME(const float *qs, const void *kb,        \
+                                                      int64_t at, int64_t n, int64_t group,   \
+                                                      float *scores, int64_t stride) {        \
+    scores_kind(qs, kb, at, n, group, scores, stride, KIND, COLS);                            \
+  }                                                                                          \
+  static __attribute__((noinline)) void values_##NAME(                                       \
+      const void *vb, int64_t at, const float *vscale, int64_t n, int64_t group,             \
+      const float *scores, int64_t stride, float *acc) {                                     \
+    values_kind(vb, at, vscale, n, group, scores, stride, acc, KIND, COLS);                  \
+  }
+FUSED(f32_64, KIND_F32, 4) FUSED(bf16_64, KIND_BF16, 4)
+FUSED(f16_64, KIND_F16, 4) FUSED(i8_64, KIND_I8, 4)
+FUSED(f32_128, KIND_F32, 8) FUSED(bf16_128, KIND_BF16, 8)
+FUSED(f16_128, KIND_F16, 8) FUSED(i8_128, KIND_I8, 8)
+/* [head size 64, 128][storage type]; an 8-bit type read through its table (KIND_LUT8) is
+ * turned into float32 rows first and takes the float32 functions. */
+static const scores_fn SCORES[2][4] = {{scores_f32_64, scores_bf16_64, scores_f16_64, scores_i8_64},
+                                       {scores_f32_128, scores_bf16_128, scores_f16_128,
+                                        scores_i8_128}};
+static const values_fn VALUES[2][4] = {{values_f32_64, values_bf16_64, values_f16_64, values_i8_64},
+                                       {values_f32_128, values_bf16_128, values_f16_128,
+                                        values_i8_128}};
 #endif
 
 /* Keys handled per pass (a larger cache block takes several): bounds the scratch. */
@@ -160,7 +262,15 @@ static inline __attribute__((always_inline)) int attend(
     const int64_t *table, int64_t first, int64_t len, float *part_acc, float *part_max,
     float *part_sum, int64_t group, const int64_t dim, int64_t head_base, int64_t block_size,
     int kind, const float *lut, float scale) {
-  const int64_t rows_floats = kind == KIND_F32 ? 0 : 2 * CHUNK * dim;
+#if defined(__AVX512F__)
+  const int wide = dim == 64 ? 0 : dim == 128 ? 1 : -1; /* SCORES/VALUES' row, or none */
+#else
+  const int wide = -1;
+#endif
+  /* Read in place: float32, and every type but a table's 8 bits where the functions above
+   * convert in registers; the others are turned into float32 rows a chunk at a time. */
+  const int direct = kind == KIND_F32 || (wide >= 0 && kind != KIND_LUT8);
+  const int64_t rows_floats = direct ? 0 : 2 * CHUNK * dim;
   /* acc [group, dim], scores [group, CHUNK], the running max and sum per query head, and
    * (for stored types other than float32) a chunk of keys and of values as float32 */
   float *acc = malloc(sizeof(float) * (size_t)(group * dim + group * CHUNK + 2 * group +
@@ -192,19 +302,23 @@ static inline __attribute__((always_inline)) int attend(
       }
     }
     const int64_t at = (head_base + slot) * dim;
-    const float *keys = kind == KIND_F32 ? (const float *)k + at : rows_k;
-    const float *values = kind == KIND_F32 ? (const float *)v + at : rows_v;
-    if (kind != KIND_F32) {
+    const void *kb = k, *vb = v;
+    int64_t from = at;
+    int read_as = kind;
+    if (!direct) {
       to_float(k, at, n * dim, kind, lut, rows_k);
       to_float(v, at, n * dim, kind, lut, rows_v);
+      kb = rows_k, vb = rows_v, from = 0, read_as = KIND_F32;
     }
+    /* the float32 rows the generic loops below read (only where read_as is float32) */
+    const float *keys = (const float *)kb + from, *values = (const float *)vb + from;
     const float *kscale = k_scale ? k_scale + head_base + slot : NULL;
     const float *vscale = v_scale ? v_scale + head_base + slot : NULL;
 
     int64_t i = 0;
 #if defined(__AVX512F__)
-    if (dim == 64) {
-      scores_64(qs, keys, n, group, scores, CHUNK);
+    if (wide >= 0) {
+      SCORES[wide][read_as](qs, kb, from, n, group, scores, CHUNK);
       i = n;
     }
 #endif
@@ -268,8 +382,8 @@ static inline __attribute__((always_inline)) int attend(
     }
 
 #if defined(__AVX512F__)
-    if (dim == 64) {
-      values_64(values, vscale, n, group, scores, CHUNK, acc);
+    if (wide >= 0) {
+      VALUES[wide][read_as](vb, from, vscale, n, group, scores, CHUNK, acc);
       t += n;
       continue;
     }
