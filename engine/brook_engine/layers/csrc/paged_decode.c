@@ -104,6 +104,20 @@ static inline __attribute__((always_inline)) __m512 load16(const void *base, int
   return _mm512_loadu_ps((const float *)base + at);
 }
 
+/* v with its lanes 4q .. 4q + 3 replaced by r (q a constant where inlined). */
+static inline __attribute__((always_inline)) __m512 with_quad(__m512 v, __m128 r, const int q) {
+  switch (q) {
+  case 0:
+    return _mm512_insertf32x4(v, r, 0);
+  case 1:
+    return _mm512_insertf32x4(v, r, 1);
+  case 2:
+    return _mm512_insertf32x4(v, r, 2);
+  default:
+    return _mm512_insertf32x4(v, r, 3);
+  }
+}
+
 /* Scores of n keys (rows of 16 * cols values from element `at`) for query heads g0 ..
  * g0 + gt - 1: four keys at a time, each key's columns loaded once for the tile's heads, the
  * 4 * gt dot products kept as independent chains (one head's four chains alone waited on
@@ -114,6 +128,36 @@ static inline __attribute__((always_inline)) void scores_tile(
     int64_t stride, const int kind, const int cols, const int gt) {
   const int64_t dim = 16 * cols;
   int64_t i = 0;
+  /* Sixteen keys (a block of 16) a pass, their scores stored whole: the softmax loops load
+   * them a vector at a time, and a load spanning four narrower stores waits for them to
+   * reach the cache instead of being forwarded. */
+  for (; i + 16 <= n; i += 16) {
+    __m512 whole[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                       _mm512_setzero_ps()};
+#pragma GCC unroll 4
+    for (int quad = 0; quad < 4; quad++) {
+      __m512 a[4][4];
+#pragma GCC unroll 8
+      for (int c = 0; c < cols; c++) {
+        __m512 key[4];
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++)
+          key[k] = load16(kb, at + (i + 4 * quad + k) * dim + 16 * c, kind);
+#pragma GCC unroll 4
+        for (int g = 0; g < gt; g++) {
+          const __m512 qv = _mm512_loadu_ps(qs + (g0 + g) * dim + 16 * c);
+#pragma GCC unroll 4
+          for (int k = 0; k < 4; k++)
+            a[g][k] = c == 0 ? _mm512_mul_ps(qv, key[k]) : _mm512_fmadd_ps(qv, key[k], a[g][k]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int g = 0; g < gt; g++)
+        whole[g] = with_quad(whole[g], sum4_512(a[g][0], a[g][1], a[g][2], a[g][3]), quad);
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < gt; g++) _mm512_storeu_ps(scores + (g0 + g) * stride + i, whole[g]);
+  }
   for (; i + 4 <= n; i += 4) {
     __m512 a[4][4];
 #pragma GCC unroll 8
@@ -299,6 +343,9 @@ static inline __attribute__((always_inline)) int attend(
         const int64_t at = (head_base + table[next] * block_size) * dim;
         prefetch_rows(k, at, block_bytes, kind);
         prefetch_rows(v, at, block_bytes, kind);
+        const int64_t scales = head_base + table[next] * block_size; /* INT8, FP8 E4M3 */
+        if (k_scale != NULL) prefetch_rows(k_scale, scales, block_size * 4, KIND_F32);
+        if (v_scale != NULL) prefetch_rows(v_scale, scales, block_size * 4, KIND_F32);
       }
     }
     const int64_t at = (head_base + slot) * dim;
