@@ -75,6 +75,7 @@ static inline void prefetch_rows(const void *base, int64_t at, int64_t bytes, in
 }
 
 #if defined(__AVX512F__)
+#define WIDE_ATTENTION 1
 /* The four sums of a0..a3's lanes, in one register: a transposing add tree (10 operations
  * where four separate reductions take ~32). */
 static inline __m128 sum4_512(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
@@ -229,7 +230,8 @@ static inline __attribute__((always_inline)) void values_tile(
  * size its own unrolled code. */
 static inline __attribute__((always_inline)) void scores_kind(
     const float *qs, const void *kb, int64_t at, int64_t n, int64_t group, float *scores,
-    int64_t stride, const int kind, const int cols) {
+    int64_t stride, const int kind, const int dim) {
+  const int cols = dim / 16;
   for (int64_t g0 = 0; g0 < group; g0 += 4) {
     const int64_t gt = group - g0 < 4 ? group - g0 : 4;
     if (gt == 4)
@@ -245,7 +247,8 @@ static inline __attribute__((always_inline)) void scores_kind(
 
 static inline __attribute__((always_inline)) void values_kind(
     const void *vb, int64_t at, const float *vscale, int64_t n, int64_t group,
-    const float *scores, int64_t stride, float *acc, const int kind, const int cols) {
+    const float *scores, int64_t stride, float *acc, const int kind, const int dim) {
+  const int cols = dim / 16;
   const int64_t most = 16 / cols;
   for (int64_t g0 = 0; g0 < group; g0 += most) {
     const int64_t gt = group - g0 < most ? group - g0 : most;
@@ -260,26 +263,148 @@ static inline __attribute__((always_inline)) void values_kind(
   }
 }
 
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define WIDE_ATTENTION 1
+/* AVX2 + FMA: the same structure in 8-lane registers, with tiles the 16 registers hold: two
+ * query heads' scores a pass of four keys, one head's value sums 64 columns at a time. */
+
+/* 8 stored values from element `at` as float32, converted in registers (exact). */
+static inline __attribute__((always_inline)) __m256 load8(const void *base, int64_t at,
+                                                          const int kind) {
+  if (kind == KIND_BF16) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + at));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  if (kind == KIND_F16)
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + at)));
+  if (kind == KIND_I8)
+    return _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)base + at))));
+  return _mm256_loadu_ps((const float *)base + at);
+}
+
+/* The four sums of a0..a3's lanes, in one register (three horizontal adds and one add). */
+static inline __m128 sum4_256(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+/* Four keys' dot products with query heads g0 .. g0 + gt - 1 (gt <= 2), each key's columns
+ * loaded once for both heads, the 4 * gt chains independent. */
+static inline __attribute__((always_inline)) __m128 *quad_256(
+    const float *qs, const void *kb, int64_t at, int64_t i, int64_t g0, __m128 *out,
+    const int kind, const int dim, const int gt) {
+  const int cols = dim / 8;
+  __m256 a[2][4];
+#pragma GCC unroll 16
+  for (int c = 0; c < cols; c++) {
+    __m256 key[4];
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) key[k] = load8(kb, at + (i + k) * dim + 8 * c, kind);
+#pragma GCC unroll 2
+    for (int g = 0; g < gt; g++) {
+      const __m256 qv = _mm256_loadu_ps(qs + (g0 + g) * dim + 8 * c);
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; k++)
+        a[g][k] = c == 0 ? _mm256_mul_ps(qv, key[k]) : _mm256_fmadd_ps(qv, key[k], a[g][k]);
+    }
+  }
+#pragma GCC unroll 2
+  for (int g = 0; g < gt; g++) out[g] = sum4_256(a[g][0], a[g][1], a[g][2], a[g][3]);
+  return out;
+}
+
+/* Scores of n keys for heads g0 .. g0 + gt - 1: eight keys a pass stored whole (the
+ * softmax's loads are as wide), then four, then one at a time. */
+static inline __attribute__((always_inline)) void scores_tile(
+    const float *qs, const void *kb, int64_t at, int64_t n, int64_t g0, float *scores,
+    int64_t stride, const int kind, const int dim, const int gt) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m128 lo[2], hi[2];
+    quad_256(qs, kb, at, i, g0, lo, kind, dim, gt);
+    quad_256(qs, kb, at, i + 4, g0, hi, kind, dim, gt);
+#pragma GCC unroll 2
+    for (int g = 0; g < gt; g++)
+      _mm256_storeu_ps(scores + (g0 + g) * stride + i, _mm256_set_m128(hi[g], lo[g]));
+  }
+  for (; i + 4 <= n; i += 4) {
+    __m128 r[2];
+    quad_256(qs, kb, at, i, g0, r, kind, dim, gt);
+#pragma GCC unroll 2
+    for (int g = 0; g < gt; g++) _mm_storeu_ps(scores + (g0 + g) * stride + i, r[g]);
+  }
+  for (; i < n; i++) {
+#pragma GCC unroll 2
+    for (int g = 0; g < gt; g++) {
+      __m256 a = _mm256_setzero_ps();
+      for (int c = 0; c < dim / 8; c++)
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(qs + (g0 + g) * dim + 8 * c),
+                            load8(kb, at + i * dim + 8 * c, kind), a);
+      const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+      const __m128 s = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      scores[(g0 + g) * stride + i] = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+    }
+  }
+}
+
+static inline __attribute__((always_inline)) void scores_kind(
+    const float *qs, const void *kb, int64_t at, int64_t n, int64_t group, float *scores,
+    int64_t stride, const int kind, const int dim) {
+  int64_t g0 = 0;
+  for (; g0 + 2 <= group; g0 += 2) scores_tile(qs, kb, at, n, g0, scores, stride, kind, dim, 2);
+  if (g0 < group) scores_tile(qs, kb, at, n, g0, scores, stride, kind, dim, 1);
+}
+
+/* One head's value sums over columns c0 .. c0 + 63 in eight registers across the chunk,
+ * each in the order of j. */
+static inline __attribute__((always_inline)) void values_64_256(
+    const void *vb, int64_t at, const float *vscale, int64_t n, const float *sg, float *ag,
+    const int kind, const int dim, const int c0) {
+  __m256 a[8];
+#pragma GCC unroll 8
+  for (int c = 0; c < 8; c++) a[c] = _mm256_loadu_ps(ag + c0 + 8 * c);
+  for (int64_t j = 0; j < n; j++) {
+    const __m256 p = _mm256_set1_ps(vscale ? sg[j] * vscale[j] : sg[j] * 1.0f);
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; c++)
+      a[c] = _mm256_fmadd_ps(p, load8(vb, at + j * dim + c0 + 8 * c, kind), a[c]);
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < 8; c++) _mm256_storeu_ps(ag + c0 + 8 * c, a[c]);
+}
+
+static inline __attribute__((always_inline)) void values_kind(
+    const void *vb, int64_t at, const float *vscale, int64_t n, int64_t group,
+    const float *scores, int64_t stride, float *acc, const int kind, const int dim) {
+  for (int64_t g = 0; g < group; g++)
+#pragma GCC unroll 2
+    for (int c0 = 0; c0 < dim; c0 += 64)
+      values_64_256(vb, at, vscale, n, scores + g * stride, acc + g * dim, kind, dim, c0);
+}
+#endif
+
+#if defined(WIDE_ATTENTION)
 /* One function per (head size, storage type), so each is compiled for exactly its loads. */
 typedef void (*scores_fn)(const float *, const void *, int64_t, int64_t, int64_t, float *,
                           int64_t);
 typedef void (*values_fn)(const void *, int64_t, const float *, int64_t, int64_t,
                           const float *, int64_t, float *);
-#define FUSED(NAME, KIND, COLS)                                                              \
+#define FUSED(NAME, KIND, DIM)                                                              \
   static __attribute__((noinline)) void scores_##NAME(const float *qs, const void *kb,        \
                                                       int64_t at, int64_t n, int64_t group,   \
                                                       float *scores, int64_t stride) {        \
-    scores_kind(qs, kb, at, n, group, scores, stride, KIND, COLS);                            \
+    scores_kind(qs, kb, at, n, group, scores, stride, KIND, DIM);                            \
   }                                                                                          \
   static __attribute__((noinline)) void values_##NAME(                                       \
       const void *vb, int64_t at, const float *vscale, int64_t n, int64_t group,             \
       const float *scores, int64_t stride, float *acc) {                                     \
-    values_kind(vb, at, vscale, n, group, scores, stride, acc, KIND, COLS);                  \
+    values_kind(vb, at, vscale, n, group, scores, stride, acc, KIND, DIM);                  \
   }
-FUSED(f32_64, KIND_F32, 4) FUSED(bf16_64, KIND_BF16, 4)
-FUSED(f16_64, KIND_F16, 4) FUSED(i8_64, KIND_I8, 4)
-FUSED(f32_128, KIND_F32, 8) FUSED(bf16_128, KIND_BF16, 8)
-FUSED(f16_128, KIND_F16, 8) FUSED(i8_128, KIND_I8, 8)
+FUSED(f32_64, KIND_F32, 64) FUSED(bf16_64, KIND_BF16, 64)
+FUSED(f16_64, KIND_F16, 64) FUSED(i8_64, KIND_I8, 64)
+FUSED(f32_128, KIND_F32, 128) FUSED(bf16_128, KIND_BF16, 128)
+FUSED(f16_128, KIND_F16, 128) FUSED(i8_128, KIND_I8, 128)
 /* [head size 64, 128][storage type]; an 8-bit type read through its table (KIND_LUT8) is
  * turned into float32 rows first and takes the float32 functions. */
 static const scores_fn SCORES[2][4] = {{scores_f32_64, scores_bf16_64, scores_f16_64, scores_i8_64},
@@ -306,7 +431,7 @@ static inline __attribute__((always_inline)) int attend(
     const int64_t *table, int64_t first, int64_t len, float *part_acc, float *part_max,
     float *part_sum, int64_t group, const int64_t dim, int64_t head_base, int64_t block_size,
     int kind, const float *lut, float scale) {
-#if defined(__AVX512F__)
+#if defined(WIDE_ATTENTION)
   const int wide = dim == 64 ? 0 : dim == 128 ? 1 : -1; /* SCORES/VALUES' row, or none */
 #else
   const int wide = -1;
@@ -359,11 +484,12 @@ static inline __attribute__((always_inline)) int attend(
     }
     /* the float32 rows the generic loops below read (only where read_as is float32) */
     const float *keys = (const float *)kb + from, *values = (const float *)vb + from;
+    (void)read_as; /* read by the wide functions only, where this CPU has them */
     const float *kscale = k_scale ? k_scale + head_base + slot : NULL;
     const float *vscale = v_scale ? v_scale + head_base + slot : NULL;
 
     int64_t i = 0;
-#if defined(__AVX512F__)
+#if defined(WIDE_ATTENTION)
     if (wide >= 0) {
       SCORES[wide][read_as](qs, kb, from, n, group, scores, CHUNK);
       i = n;
@@ -428,7 +554,7 @@ static inline __attribute__((always_inline)) int attend(
       run_sum[g] += total;
     }
 
-#if defined(__AVX512F__)
+#if defined(WIDE_ATTENTION)
     if (wide >= 0) {
       VALUES[wide][read_as](vb, from, vscale, n, group, scores, CHUNK, acc);
       t += n;
