@@ -19,6 +19,7 @@ from torch import nn
 
 from brook_engine import LLM, SamplingParams
 from brook_engine.config import KVDType
+from brook_engine.host import cpu_features
 from brook_engine.kv.cache import Int8Params, LayerKVCache
 from brook_engine.layers import cpu_decode, cpu_fused, cpu_kernels, cpu_matmul, linear
 from brook_engine.layers.attention import _decode_attention
@@ -93,6 +94,36 @@ def test_the_decode_kernel_matches_the_portable_path(
         # Both sum in float32, in different orders; INT8 queries carry the scales (~100x).
         tolerance = 1e-3 if kind == "int8" else 1e-5
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=tolerance)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the kernel cannot build")
+@pytest.mark.skipif(
+    platform.machine() != "x86_64" or not {"avx2", "fma", "f16c"} <= cpu_features(),
+    reason="the AVX2 build needs an x86-64 CPU with AVX2, FMA and F16C",
+)
+def test_the_avx2_build_of_the_decode_kernel_matches_the_portable_path(
+    monkeypatch: pytest.MonkeyPatch, fresh_kernel: None
+) -> None:
+    """The kernels built for AVX2 + FMA (BROOK_CPU_ISA=avx2: what an AVX2-only CPU builds
+    natively), whose 64- and 128-wide heads take their own register tiles: every storage
+    type, a GQA group of 3 (a tile of 2 and one of 1), MHA at 128 and a group of 16."""
+    monkeypatch.setenv("BROOK_CPU_ISA", "avx2")
+    for kv_heads, heads, dim, block_size in [(2, 6, 64, 16), (4, 4, 128, 8), (1, 16, 64, 80)]:
+        for kind in KINDS:
+            cache = _cache(kind, torch.float32, kv_heads, heads, dim, block_size)
+            gen = torch.Generator().manual_seed(2)
+            lens = torch.tensor(
+                [1, block_size, block_size + 1, 7 * block_size - 3, 10 * block_size]
+            )
+            tables = torch.randperm(64, generator=gen)[: 5 * 10].view(5, 10)
+            q = cache.query(torch.randn(5, heads, dim, generator=gen))
+            got = cpu_decode.decode_attention(q, cache, tables, lens, dim**-0.5, None)
+            assert got is not None, "a C compiler is here, so the kernel must have built"
+            expected = _portable(q, cache, tables, lens, dim**-0.5, None)
+            tolerance = 1e-3 if kind == "int8" else 1e-5
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=tolerance)
+    library = cpu_kernels.library()
+    assert library is not None and library.brook_decode_path() == 1, "the AVX2 build ran"
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the kernel cannot build")

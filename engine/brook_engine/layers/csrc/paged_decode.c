@@ -581,6 +581,18 @@ static inline __attribute__((always_inline)) int attend(
   return 0;
 }
 
+/* The path this build's attention takes for heads of 64 and 128 (tests check the build they
+ * loaded): 2 AVX-512, 1 AVX2 + FMA, 0 the generic loops. */
+int brook_decode_path(void) {
+#if defined(__AVX512F__)
+  return 2;
+#elif defined(WIDE_ATTENTION)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
 /* A context shorter than this is never split between threads. */
 enum { MIN_SPLIT = 64 };
 
