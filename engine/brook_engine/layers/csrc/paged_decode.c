@@ -119,64 +119,61 @@ static inline __attribute__((always_inline)) __m512 with_quad(__m512 v, __m128 r
   }
 }
 
-/* Scores of n keys (rows of 16 * cols values from element `at`) for query heads g0 ..
- * g0 + gt - 1: four keys at a time, each key's columns loaded once for the tile's heads, the
- * 4 * gt dot products kept as independent chains (one head's four chains alone waited on
- * the multiply-add latency), each reduced as before: the sum over columns in order, then
- * four keys together by the add tree (the last n % 4 keys one at a time). */
+/* Four keys' dot products (rows of 16 * cols values from element `at`) with query heads
+ * g0 .. g0 + gt - 1: each key's columns loaded once for the tile's heads, the 4 * gt sums
+ * kept as independent chains (one head's four chains alone waited on the multiply-add
+ * latency), each over the columns in order, then reduced four keys together by the add
+ * tree. */
+static inline __attribute__((always_inline)) void quad_512(const float *qs, const void *kb,
+                                                           int64_t at, int64_t i, int64_t g0,
+                                                           __m128 *out, const int kind,
+                                                           const int cols, const int gt) {
+  const int64_t dim = 16 * cols;
+  __m512 a[4][4];
+#pragma GCC unroll 8
+  for (int c = 0; c < cols; c++) {
+    __m512 key[4];
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) key[k] = load16(kb, at + (i + k) * dim + 16 * c, kind);
+#pragma GCC unroll 4
+    for (int g = 0; g < gt; g++) {
+      const __m512 qv = _mm512_loadu_ps(qs + (g0 + g) * dim + 16 * c);
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; k++)
+        a[g][k] = c == 0 ? _mm512_mul_ps(qv, key[k]) : _mm512_fmadd_ps(qv, key[k], a[g][k]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < gt; g++) out[g] = sum4_512(a[g][0], a[g][1], a[g][2], a[g][3]);
+}
+
+/* Scores of n keys for heads g0 .. g0 + gt - 1: sixteen keys (a block of 16) a pass, their
+ * scores stored whole — the softmax loops load them a vector at a time, and a load spanning
+ * four narrower stores waits for them to reach the cache instead of being forwarded — then
+ * four at a time, then the last n % 4 one at a time. */
 static inline __attribute__((always_inline)) void scores_tile(
     const float *qs, const void *kb, int64_t at, int64_t n, int64_t g0, float *scores,
     int64_t stride, const int kind, const int cols, const int gt) {
   const int64_t dim = 16 * cols;
   int64_t i = 0;
-  /* Sixteen keys (a block of 16) a pass, their scores stored whole: the softmax loops load
-   * them a vector at a time, and a load spanning four narrower stores waits for them to
-   * reach the cache instead of being forwarded. */
   for (; i + 16 <= n; i += 16) {
     __m512 whole[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                        _mm512_setzero_ps()};
 #pragma GCC unroll 4
     for (int quad = 0; quad < 4; quad++) {
-      __m512 a[4][4];
-#pragma GCC unroll 8
-      for (int c = 0; c < cols; c++) {
-        __m512 key[4];
+      __m128 r[4];
+      quad_512(qs, kb, at, i + 4 * quad, g0, r, kind, cols, gt);
 #pragma GCC unroll 4
-        for (int k = 0; k < 4; k++)
-          key[k] = load16(kb, at + (i + 4 * quad + k) * dim + 16 * c, kind);
-#pragma GCC unroll 4
-        for (int g = 0; g < gt; g++) {
-          const __m512 qv = _mm512_loadu_ps(qs + (g0 + g) * dim + 16 * c);
-#pragma GCC unroll 4
-          for (int k = 0; k < 4; k++)
-            a[g][k] = c == 0 ? _mm512_mul_ps(qv, key[k]) : _mm512_fmadd_ps(qv, key[k], a[g][k]);
-        }
-      }
-#pragma GCC unroll 4
-      for (int g = 0; g < gt; g++)
-        whole[g] = with_quad(whole[g], sum4_512(a[g][0], a[g][1], a[g][2], a[g][3]), quad);
+      for (int g = 0; g < gt; g++) whole[g] = with_quad(whole[g], r[g], quad);
     }
 #pragma GCC unroll 4
     for (int g = 0; g < gt; g++) _mm512_storeu_ps(scores + (g0 + g) * stride + i, whole[g]);
   }
   for (; i + 4 <= n; i += 4) {
-    __m512 a[4][4];
-#pragma GCC unroll 8
-    for (int c = 0; c < cols; c++) {
-      __m512 key[4];
+    __m128 r[4];
+    quad_512(qs, kb, at, i, g0, r, kind, cols, gt);
 #pragma GCC unroll 4
-      for (int k = 0; k < 4; k++) key[k] = load16(kb, at + (i + k) * dim + 16 * c, kind);
-#pragma GCC unroll 4
-      for (int g = 0; g < gt; g++) {
-        const __m512 qv = _mm512_loadu_ps(qs + (g0 + g) * dim + 16 * c);
-#pragma GCC unroll 4
-        for (int k = 0; k < 4; k++)
-          a[g][k] = c == 0 ? _mm512_mul_ps(qv, key[k]) : _mm512_fmadd_ps(qv, key[k], a[g][k]);
-      }
-    }
-#pragma GCC unroll 4
-    for (int g = 0; g < gt; g++)
-      _mm_storeu_ps(scores + (g0 + g) * stride + i, sum4_512(a[g][0], a[g][1], a[g][2], a[g][3]));
+    for (int g = 0; g < gt; g++) _mm_storeu_ps(scores + (g0 + g) * stride + i, r[g]);
   }
   for (; i < n; i++) {
     __m512 a[4];
@@ -291,7 +288,7 @@ static inline __m128 sum4_256(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 
 /* Four keys' dot products with query heads g0 .. g0 + gt - 1 (gt <= 2), each key's columns
  * loaded once for both heads, the 4 * gt chains independent. */
-static inline __attribute__((always_inline)) __m128 *quad_256(
+static inline __attribute__((always_inline)) void quad_256(
     const float *qs, const void *kb, int64_t at, int64_t i, int64_t g0, __m128 *out,
     const int kind, const int dim, const int gt) {
   const int cols = dim / 8;
@@ -311,7 +308,6 @@ static inline __attribute__((always_inline)) __m128 *quad_256(
   }
 #pragma GCC unroll 2
   for (int g = 0; g < gt; g++) out[g] = sum4_256(a[g][0], a[g][1], a[g][2], a[g][3]);
-  return out;
 }
 
 /* Scores of n keys for heads g0 .. g0 + gt - 1: eight keys a pass stored whole (the
