@@ -82,12 +82,25 @@ def _portable(
 def test_the_decode_kernel_matches_the_portable_path(
     kind: KVDType, kv_heads: int, heads: int, dim: int, block_size: int, fresh_kernel: None
 ) -> None:
+    _assert_kernel_matches(kind, kv_heads, heads, dim, block_size, (None, 2 * block_size + 1))
+
+
+def _assert_kernel_matches(
+    kind: KVDType,
+    kv_heads: int,
+    heads: int,
+    dim: int,
+    block_size: int,
+    windows: tuple[int | None, ...],
+) -> None:
+    """Five sequences (one token, a block, a block and one, within a block, ten blocks) over
+    random blocks: the kernel's output is the portable path's, for each window."""
     cache = _cache(kind, torch.float32, kv_heads, heads, dim, block_size)
     gen = torch.Generator().manual_seed(2)
     lens = torch.tensor([1, block_size, block_size + 1, 7 * block_size - 3, 10 * block_size])
     tables = torch.randperm(64, generator=gen)[: 5 * 10].view(5, 10)
     q = cache.query(torch.randn(5, heads, dim, generator=gen))
-    for window in (None, 2 * block_size + 1):
+    for window in windows:
         got = cpu_decode.decode_attention(q, cache, tables, lens, dim**-0.5, window)
         assert got is not None, "a C compiler is here, so the kernel must have built"
         expected = _portable(q, cache, tables, lens, dim**-0.5, window)
@@ -110,18 +123,7 @@ def test_the_avx2_build_of_the_decode_kernel_matches_the_portable_path(
     monkeypatch.setenv("BROOK_CPU_ISA", "avx2")
     for kv_heads, heads, dim, block_size in [(2, 6, 64, 16), (4, 4, 128, 8), (1, 16, 64, 80)]:
         for kind in KINDS:
-            cache = _cache(kind, torch.float32, kv_heads, heads, dim, block_size)
-            gen = torch.Generator().manual_seed(2)
-            lens = torch.tensor(
-                [1, block_size, block_size + 1, 7 * block_size - 3, 10 * block_size]
-            )
-            tables = torch.randperm(64, generator=gen)[: 5 * 10].view(5, 10)
-            q = cache.query(torch.randn(5, heads, dim, generator=gen))
-            got = cpu_decode.decode_attention(q, cache, tables, lens, dim**-0.5, None)
-            assert got is not None, "a C compiler is here, so the kernel must have built"
-            expected = _portable(q, cache, tables, lens, dim**-0.5, None)
-            tolerance = 1e-3 if kind == "int8" else 1e-5
-            torch.testing.assert_close(got, expected, rtol=1e-4, atol=tolerance)
+            _assert_kernel_matches(kind, kv_heads, heads, dim, block_size, (None,))
     library = cpu_kernels.library()
     assert library is not None and library.brook_decode_path() == 1, "the AVX2 build ran"
 
