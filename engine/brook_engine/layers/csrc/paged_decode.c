@@ -464,7 +464,7 @@ static inline __attribute__((always_inline)) int attend(
         const int64_t at = (head_base + table[next] * block_size) * dim;
         prefetch_rows(k, at, block_bytes, kind);
         prefetch_rows(v, at, block_bytes, kind);
-        const int64_t scales = head_base + table[next] * block_size; /* INT8, FP8 E4M3 */
+        const int64_t scales = head_base + table[next] * block_size; /* FP8 E4M3 only */
         if (k_scale != NULL) prefetch_rows(k_scale, scales, block_size * 4, KIND_F32);
         if (v_scale != NULL) prefetch_rows(v_scale, scales, block_size * 4, KIND_F32);
       }
