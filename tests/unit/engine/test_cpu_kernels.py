@@ -129,6 +129,55 @@ def test_the_avx2_build_of_the_decode_kernel_matches_the_portable_path(
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the kernel cannot build")
+@pytest.mark.skipif(
+    platform.machine() != "x86_64" or not {"avx2", "fma", "f16c"} <= cpu_features(),
+    reason="the AVX2 build needs an x86-64 CPU with AVX2, FMA and F16C",
+)
+def test_the_int8_head_map_gives_the_same_bits_in_every_build(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """An INT8 layer's query and output maps sum each output over the head's columns in one
+    order, whatever block the build runs it in: AVX-512 builds take 64 columns at a time
+    (then 16 for what is left: head sizes 80 and 48), the AVX2 build 16; the outputs are
+    equal bit for bit, and torch's product agrees within float32 rounding. (On a CPU
+    without AVX-512 both builds run the 16-column blocks.)"""
+    gen = torch.Generator().manual_seed(11)
+    cases = []
+    for heads, dim in ((9, 64), (4, 80), (2, 48), (3, 128)):
+        x = torch.randn(37, heads, dim, generator=gen)  # 9 blocks of 4 tokens and one of 1
+        matrix = torch.randn(heads, dim, dim, generator=gen)
+        offset = torch.randn(heads, dim, generator=gen)
+        cases.append((x, matrix, offset))
+
+    def mapped() -> list[torch.Tensor]:
+        library = cpu_kernels.library()
+        assert library is not None
+        outs = []
+        for x, matrix, offset in cases:
+            tokens, heads, dim = x.shape
+            out = torch.empty(tokens, heads, dim)
+            status = library.brook_head_map(
+                x.data_ptr(), matrix.data_ptr(), offset.data_ptr(), out.data_ptr(),
+                tokens, heads, dim, heads * dim, 2,
+            )  # fmt: skip
+            assert status == 0
+            outs.append(out)
+        return outs
+
+    builds = []
+    for isa in ("native", "avx2"):
+        monkeypatch.setenv("BROOK_CPU_ISA", isa)
+        monkeypatch.setenv("BROOK_KERNEL_CACHE", str(tmp_path / isa))
+        monkeypatch.setattr(cpu_kernels, "_tried", False)
+        monkeypatch.setattr(cpu_kernels, "_library", None)
+        builds.append(mapped())
+    for (x, matrix, offset), native, avx2 in zip(cases, *builds, strict=True):
+        assert torch.equal(native, avx2), f"head size {x.shape[2]}"
+        expected = torch.baddbmm(offset[:, None, :], x.transpose(0, 1), matrix).transpose(0, 1)
+        torch.testing.assert_close(native, expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the kernel cannot build")
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("kind", ["auto", "int8"])
 def test_one_long_sequence_split_between_threads_matches_the_portable_path(
