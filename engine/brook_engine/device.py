@@ -117,15 +117,19 @@ def _npu_available() -> bool:
     return bool(torch.npu.is_available())  # type: ignore[attr-defined]
 
 
+def device_kind(kind: DeviceKind) -> DeviceKind:
+    """The kind ``auto`` stands for here (NPU, then CUDA, then CPU), without opening a
+    device; any other kind as it is."""
+    if kind != "auto":
+        return kind
+    if os.environ.get("BROOK_PROBE_NPU", "1") != "0" and importlib.util.find_spec("torch_npu"):
+        return "npu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def resolve_backend(kind: DeviceKind, local_rank: int = 0) -> Backend:
     """The backend for ``kind``; ``auto`` takes NPU, then CUDA, then CPU."""
-    if kind == "auto":
-        if os.environ.get("BROOK_PROBE_NPU", "1") != "0" and importlib.util.find_spec("torch_npu"):
-            kind = "npu"
-        elif torch.cuda.is_available():
-            kind = "cuda"
-        else:
-            kind = "cpu"
+    kind = device_kind(kind)
     if kind == "cpu":
         return Backend("cpu", torch.device("cpu"), "gloo")
     if kind == "cuda":

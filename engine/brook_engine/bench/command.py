@@ -201,10 +201,13 @@ def _bench_kv(args: argparse.Namespace, options: dict[str, Any]) -> int:
 
 def served_config(args: argparse.Namespace, options: dict[str, Any]) -> EngineConfig:
     """The engine configuration ``--mode serve`` runs: every engine flag the bench was given,
-    and ``--max-num-seqs`` as ``--concurrency`` unless it is given too."""
+    ``--max-num-seqs`` as ``--concurrency`` unless it is given too, and what a server takes
+    where they leave a choice (on CPU a smaller token budget: ``serving_defaults``)."""
+    from brook_engine.core.serving_defaults import serving_defaults
+
     if "max_num_seqs" not in options:
         options = {**options, "max_num_seqs": args.concurrency}
-    return engine_config_from_options(args.model, options)
+    return serving_defaults(engine_config_from_options(args.model, options))
 
 
 def _bench_serving(args: argparse.Namespace, config: EngineConfig) -> int:

@@ -100,7 +100,10 @@ class SchedulerConfig(Section):
     """Sequences running at once."""
 
     max_num_batched_tokens: int = Field(default=2048, ge=1, le=1_048_576)
-    """Tokens processed per step (the token budget shared by prefill and decode)."""
+    """Tokens processed per step (the token budget shared by prefill and decode). A
+    `brook-engine serve` on CPU whose file leaves it out takes 512 (at least maxNumSeqs), so
+    the prompts of a wave get their first tokens sooner; an LLMInference always passes its
+    value."""
 
     chunked_prefill: bool = True
     """Split long prompts across steps so decodes keep flowing."""

@@ -172,6 +172,7 @@ def _info(config: EngineConfig, engine: LLMEngine) -> dict[str, str]:
         "max_model_len": str(engine.max_model_len),
         "kv_block_size": str(config.kv_cache.block_size),
         "max_num_seqs": str(config.scheduler.max_num_seqs),
+        "max_num_batched_tokens": str(config.scheduler.max_num_batched_tokens),
     }
 
 

@@ -26,6 +26,7 @@ from starlette.applications import Starlette
 
 from brook_engine.config import EngineConfig
 from brook_engine.core.ranks import GroupSpec, run_worker_pod
+from brook_engine.core.serving_defaults import serving_defaults
 from brook_engine.server.app import build_app
 from brook_engine.server.limits import header_timeout_protocol
 from brook_engine.server.state import ServerState
@@ -93,6 +94,7 @@ def serve(config: EngineConfig) -> int:
     replica lost a rank). In a replica of several devices this process takes its place from
     the environment (``parallel.launch``): on the first pod it is rank 0 and serves, on the
     others it runs that pod's workers."""
+    config = serving_defaults(config)
     group: GroupSpec | None = None
     if config.parallel.world_size > 1:
         group = GroupSpec.from_environment(config)
