@@ -58,8 +58,9 @@ def test_every_path_matches_float64_at_every_row_count(
 def test_a_rows_result_does_not_depend_on_its_batch(
     path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One multiply-add chain per output in input order: a row alone, in a decode batch and
-    in a prefill chunk gives the same bits."""
+    """One multiply-add chain per output in input order: a row alone, in a decode batch (up
+    to 48 rows, whose blocks take the inputs in parts) and in a prefill chunk gives the same
+    bits."""
     if path not in RUNNABLE:
         pytest.skip(f"this CPU has no {path} path")
     monkeypatch.setenv("BROOK_CPU_ISA", path)
@@ -81,6 +82,8 @@ def test_a_rows_result_does_not_depend_on_its_batch(
             cpu_matmul.matmul(batch[row : row + 1], packed, None), whole[row : row + 1]
         )
         assert torch.equal(cpu_matmul.matmul(batch[row : row + 7], packed, None)[0], whole[row])
+        # 30 rows: several blocks over each part of the inputs in turn (sums carried over)
+        assert torch.equal(cpu_matmul.matmul(batch[row : row + 30], packed, None)[0], whole[row])
 
 
 def test_the_layout_round_trips_and_what_it_takes() -> None:

@@ -62,14 +62,24 @@ static void block_c(const float *x, int64_t in, int rows, const float *w, float 
 #define T512 __attribute__((target("avx512f,avx512bw,avx512vl")))
 #define T2 __attribute__((target("avx2,fma")))
 
-/* AVX-512: `rows` (a constant where inlined) rows by one pair. */
+/* AVX-512: `rows` (a constant where inlined) rows by one pair, over inputs [k0, k1): the
+ * sums start at zero where k0 is 0, else from acc ([rows][32]), and end in out where k1 is
+ * `in`, else in acc (a pair's inputs taken in parts: rows_by_pair). */
 static inline __attribute__((always_inline)) T512 void block_512(const float *x, int64_t in,
-                                                                const float *w, float *out,
-                                                                int64_t ldo, const int rows) {
+                                                                const float *w, float *acc,
+                                                                float *out, int64_t ldo,
+                                                                int64_t k0, int64_t k1,
+                                                                const int rows) {
   __m512 a0[MR512], a1[MR512];
 #pragma GCC unroll 12
   for (int m = 0; m < MR512; m++) a0[m] = a1[m] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < in; k++) {
+  if (k0 != 0)
+#pragma GCC unroll 12
+    for (int m = 0; m < rows; m++) {
+      a0[m] = _mm512_loadu_ps(acc + m * PAIR);
+      a1[m] = _mm512_loadu_ps(acc + m * PAIR + 16);
+    }
+  for (int64_t k = k0; k < k1; k++) {
     _mm_prefetch((const char *)(w + (k + AHEAD) * PAIR), _MM_HINT_T0);
     _mm_prefetch((const char *)(w + (k + AHEAD) * PAIR + 16), _MM_HINT_T0);
     const __m512 v0 = _mm512_loadu_ps(w + k * PAIR), v1 = _mm512_loadu_ps(w + k * PAIR + 16);
@@ -82,23 +92,33 @@ static inline __attribute__((always_inline)) T512 void block_512(const float *x,
       }
     }
   }
+  float *dst = k1 == in ? out : acc;
+  const int64_t ld = k1 == in ? ldo : PAIR;
 #pragma GCC unroll 12
   for (int m = 0; m < rows; m++) {
-    _mm512_storeu_ps(out + m * ldo, a0[m]);
-    _mm512_storeu_ps(out + m * ldo + 16, a1[m]);
+    _mm512_storeu_ps(dst + m * ld, a0[m]);
+    _mm512_storeu_ps(dst + m * ld + 16, a1[m]);
   }
 }
 
-/* AVX2 + FMA: `rows` rows by a whole pair; the weights are read as the multiply-adds'
- * memory operands (12 sums and the broadcasts fill the 16 ymm registers). */
+/* AVX2 + FMA: `rows` rows by one pair over inputs [k0, k1), as block_512; the weights are
+ * read as the multiply-adds' memory operands (12 sums and the broadcasts fill the 16 ymm
+ * registers). */
 static inline __attribute__((always_inline)) T2 void block_avx2(const float *x, int64_t in,
-                                                               const float *w, float *out,
-                                                               int64_t ldo, const int rows) {
+                                                               const float *w, float *acc,
+                                                               float *out, int64_t ldo,
+                                                               int64_t k0, int64_t k1,
+                                                               const int rows) {
   __m256 a[MR2][4];
 #pragma GCC unroll 3
   for (int m = 0; m < MR2; m++)
     a[m][0] = a[m][1] = a[m][2] = a[m][3] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < in; k++) {
+  if (k0 != 0)
+#pragma GCC unroll 3
+    for (int m = 0; m < rows; m++)
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; j++) a[m][j] = _mm256_loadu_ps(acc + m * PAIR + 8 * j);
+  for (int64_t k = k0; k < k1; k++) {
     _mm_prefetch((const char *)(w + (k + AHEAD) * PAIR), _MM_HINT_T0);
     _mm_prefetch((const char *)(w + (k + AHEAD) * PAIR + 16), _MM_HINT_T0);
     const float *wk = w + k * PAIR;
@@ -111,25 +131,28 @@ static inline __attribute__((always_inline)) T2 void block_avx2(const float *x, 
       }
     }
   }
+  float *dst = k1 == in ? out : acc;
+  const int64_t ld = k1 == in ? ldo : PAIR;
 #pragma GCC unroll 3
   for (int m = 0; m < rows; m++)
 #pragma GCC unroll 4
-    for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + m * ldo + 8 * j, a[m][j]);
+    for (int j = 0; j < 4; j++) _mm256_storeu_ps(dst + m * ld + 8 * j, a[m][j]);
 }
 
 /* One function per row count, so each block's loop is unrolled for exactly its rows. */
-typedef void (*block_fn)(const float *, int64_t, const float *, float *, int64_t);
+typedef void (*block_fn)(const float *, int64_t, const float *, float *, float *, int64_t,
+                         int64_t, int64_t);
 #define ROWS512(R)                                                                           \
-  static T512 __attribute__((noinline)) void rows512_##R(const float *x, int64_t in,         \
-                                                         const float *w, float *out,         \
-                                                         int64_t ldo) {                      \
-    block_512(x, in, w, out, ldo, R);                                                        \
+  static T512 __attribute__((noinline)) void rows512_##R(                                    \
+      const float *x, int64_t in, const float *w, float *acc, float *out, int64_t ldo,       \
+      int64_t k0, int64_t k1) {                                                              \
+    block_512(x, in, w, acc, out, ldo, k0, k1, R);                                           \
   }
 #define ROWS2(R)                                                                             \
   static T2 __attribute__((noinline)) void rows2_##R(const float *x, int64_t in,             \
-                                                     const float *w, float *out,             \
-                                                     int64_t ldo) {                          \
-    block_avx2(x, in, w, out, ldo, R);                                                       \
+                                                     const float *w, float *acc, float *out, \
+                                                     int64_t ldo, int64_t k0, int64_t k1) {  \
+    block_avx2(x, in, w, acc, out, ldo, k0, k1, R);                                          \
   }
 ROWS512(1) ROWS512(2) ROWS512(3) ROWS512(4) ROWS512(5) ROWS512(6)
 ROWS512(7) ROWS512(8) ROWS512(9) ROWS512(10) ROWS512(11) ROWS512(12)
@@ -143,25 +166,42 @@ static const block_fn BLOCK2[MR2 + 1] = {0, rows2_1, rows2_2, rows2_3};
 /* The best path this CPU runs, capped at `limit` (tests force each path on one machine). */
 int brook_f32_isa(int limit) { return vector_isa(limit); }
 
-/* `rows` rows (starting at x and out) by pair p, in blocks of at most the path's rows, the
- * rows spread evenly over the blocks (16 rows: 8 + 8, not 12 + 4). */
+/* `rows` rows (starting at x and out, at most CHUNK) by pair p, in blocks of at most the
+ * path's rows, the rows spread evenly over the blocks (16 rows: 8 + 8, not 12 + 4). Where
+ * there are several blocks, the pair's inputs are taken KPART at a time and every block runs
+ * over each part before the next (its sums kept in acc between parts): the weights then
+ * stream from memory once while all the blocks' multiply-adds run, instead of the first
+ * block waiting on memory and the others running after it from cache (16 rows took 1.45x
+ * the time of 12, one block; tests/bench/small_m_rate.py). A part's sums carry over
+ * exactly, so each output is the same chain of multiply-adds in k order. */
+#define KPART 64 /* inputs per part: 8 KiB of a pair, in L1 for the blocks after the first */
+#define PART_ROWS 48 /* up to here the weights' stream takes as long as the multiply-adds */
+
 static void rows_by_pair(const float *x, int64_t in, int64_t rows, const float *w, float *out,
                          int64_t ldo, int isa) {
   const int most = isa == ISA_AVX512 ? MR512 : isa == ISA_AVX2 ? MR2 : 1;
   const int64_t blocks = (rows + most - 1) / most;
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (isa != ISA_C) {
+    const block_fn *table = isa == ISA_AVX512 ? BLOCK512 : BLOCK2;
+    float acc[CHUNK * PAIR]; /* the blocks' sums between parts */
+    const int64_t step = blocks > 1 && rows <= PART_ROWS ? KPART : in;
+    for (int64_t k0 = 0; k0 < in; k0 += step) {
+      const int64_t k1 = k0 + step < in ? k0 + step : in;
+      int64_t first = 0;
+      for (int64_t b = 0; b < blocks; b++) {
+        const int count = (int)((rows - first) / (blocks - b));
+        table[count](x + first * in, in, w, acc + first * PAIR, out + first * ldo, ldo, k0, k1);
+        first += count;
+      }
+    }
+    return;
+  }
+#endif
   int64_t first = 0;
   for (int64_t b = 0; b < blocks; b++) {
     const int count = (int)((rows - first) / (blocks - b));
-    const float *xb = x + first * in;
-    float *ob = out + first * ldo;
-#if defined(__x86_64__) && defined(__GNUC__)
-    if (isa == ISA_AVX512)
-      BLOCK512[count](xb, in, w, ob, ldo);
-    else if (isa == ISA_AVX2)
-      BLOCK2[count](xb, in, w, ob, ldo);
-    else
-#endif
-      block_c(xb, in, count, w, ob, ldo);
+    block_c(x + first * in, in, count, w, out + first * ldo, ldo);
     first += count;
   }
 }
