@@ -181,29 +181,28 @@ static void rows_by_pair(const float *x, int64_t in, int64_t rows, const float *
                          int64_t ldo, int isa) {
   const int most = isa == ISA_AVX512 ? MR512 : isa == ISA_AVX2 ? MR2 : 1;
   const int64_t blocks = (rows + most - 1) / most;
+  float acc[CHUNK * PAIR]; /* the blocks' sums between parts */
+  const int64_t step = isa != ISA_C && blocks > 1 && rows <= PART_ROWS ? KPART : in;
+  int64_t k0 = 0;
+  do { /* at least once: with no inputs at all every output is 0 (+ bias) */
+    const int64_t k1 = k0 + step < in ? k0 + step : in;
+    int64_t first = 0;
+    for (int64_t b = 0; b < blocks; b++) {
+      const int count = (int)((rows - first) / (blocks - b));
+      const float *xb = x + first * in;
+      float *ob = out + first * ldo;
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (isa != ISA_C) {
-    const block_fn *table = isa == ISA_AVX512 ? BLOCK512 : BLOCK2;
-    float acc[CHUNK * PAIR]; /* the blocks' sums between parts */
-    const int64_t step = blocks > 1 && rows <= PART_ROWS ? KPART : in;
-    for (int64_t k0 = 0; k0 < in; k0 += step) {
-      const int64_t k1 = k0 + step < in ? k0 + step : in;
-      int64_t first = 0;
-      for (int64_t b = 0; b < blocks; b++) {
-        const int count = (int)((rows - first) / (blocks - b));
-        table[count](x + first * in, in, w, acc + first * PAIR, out + first * ldo, ldo, k0, k1);
-        first += count;
-      }
-    }
-    return;
-  }
+      if (isa == ISA_AVX512)
+        BLOCK512[count](xb, in, w, acc + first * PAIR, ob, ldo, k0, k1);
+      else if (isa == ISA_AVX2)
+        BLOCK2[count](xb, in, w, acc + first * PAIR, ob, ldo, k0, k1);
+      else
 #endif
-  int64_t first = 0;
-  for (int64_t b = 0; b < blocks; b++) {
-    const int count = (int)((rows - first) / (blocks - b));
-    block_c(x + first * in, in, count, w, out + first * ldo, ldo);
-    first += count;
-  }
+        block_c(xb, in, count, w, ob, ldo); /* whole pairs: step is `in` */
+      first += count;
+    }
+    k0 = k1;
+  } while (k0 < in);
 }
 
 /* out [rows, out_features] = x [rows, in] @ w.T + bias, w packed by brook_f32_pack, bias

@@ -695,19 +695,18 @@ int brook_kv_store(const void *k, const void *v, void *k_cache, void *v_cache,
   return 0;
 }
 
-/* `rows` rows (1 to 4) of x by `cols` columns (16 here, from j0) of a [dim, dim] map, both
- * constants where inlined, each output summed over i in order: the sums stay in
- * vector registers and each map row is read once for the rows. */
+/* `rows` rows (1 to 4, a constant where inlined) of x by 16 columns (from j0) of a
+ * [dim, dim] map, each output summed over i in order: the sums stay in vector registers and
+ * each map row is read once for the rows. */
 static inline __attribute__((always_inline)) void map_block(const float *x, int64_t x_stride,
                                                             const float *m, float *dst,
                                                             int64_t dst_stride, int64_t dim,
-                                                            int64_t j0, const int rows,
-                                                            const int cols) {
+                                                            int64_t j0, const int rows) {
   float a[4][16];
 #pragma GCC unroll 4
   for (int r = 0; r < 4; r++)
 #pragma GCC unroll 16
-    for (int j = 0; j < cols; j++) a[r][j] = 0.0f;
+    for (int j = 0; j < 16; j++) a[r][j] = 0.0f;
   for (int64_t i = 0; i < dim; i++) {
     const float *mi = m + i * dim + j0;
 #pragma GCC unroll 4
@@ -715,7 +714,7 @@ static inline __attribute__((always_inline)) void map_block(const float *x, int6
       if (r < rows) {
         const float xi = x[r * x_stride + i];
 #pragma omp simd
-        for (int j = 0; j < cols; j++) a[r][j] += xi * mi[j];
+        for (int j = 0; j < 16; j++) a[r][j] += xi * mi[j];
       }
     }
   }
@@ -723,7 +722,7 @@ static inline __attribute__((always_inline)) void map_block(const float *x, int6
   for (int r = 0; r < 4; r++)
     if (r < rows)
 #pragma GCC unroll 16
-      for (int j = 0; j < cols; j++) dst[r * dst_stride + j0 + j] = a[r][j];
+      for (int j = 0; j < 16; j++) dst[r * dst_stride + j0 + j] = a[r][j];
 }
 
 #if defined(__AVX512F__)
@@ -762,33 +761,31 @@ static inline __attribute__((always_inline)) void map_block64(const float *x, in
 #pragma GCC unroll 4
       for (int c = 0; c < 4; c++) _mm512_storeu_ps(dst + r * dst_stride + j0 + 16 * c, a[r][c]);
 }
-#define MAP_WIDE 64
-#define map_wide(x, xs, m, d, ds, dim, j0, rows) map_block64(x, xs, m, d, ds, dim, j0, rows)
-#else
-#define MAP_WIDE 16
-#define map_wide(x, xs, m, d, ds, dim, j0, rows) map_block(x, xs, m, d, ds, dim, j0, rows, 16)
 #endif
 
-#define MAP_BLOCK(block, ...)                                                                 \
+/* One of the blocks above for a row count known where it is inlined. */
+#define MAP_BLOCK(block)                                                                      \
   do {                                                                                        \
     if (rows == 4)                                                                            \
-      block(x, x_stride, m, dst, dst_stride, dim, j0, 4, ##__VA_ARGS__);                      \
+      block(x, x_stride, m, dst, dst_stride, dim, j0, 4);                                     \
     else if (rows == 3)                                                                       \
-      block(x, x_stride, m, dst, dst_stride, dim, j0, 3, ##__VA_ARGS__);                      \
+      block(x, x_stride, m, dst, dst_stride, dim, j0, 3);                                     \
     else if (rows == 2)                                                                       \
-      block(x, x_stride, m, dst, dst_stride, dim, j0, 2, ##__VA_ARGS__);                      \
+      block(x, x_stride, m, dst, dst_stride, dim, j0, 2);                                     \
     else                                                                                      \
-      block(x, x_stride, m, dst, dst_stride, dim, j0, 1, ##__VA_ARGS__);                      \
+      block(x, x_stride, m, dst, dst_stride, dim, j0, 1);                                     \
   } while (0)
 
-/* `rows` (1 to 4) rows of x by the whole [dim, dim] map (dim a multiple of 16), each row
- * count and width its own unrolled block; the order of each output's sum is the same
- * whatever the width, so results do not depend on the build. */
+/* `rows` (1 to 4) rows of x by the whole [dim, dim] map (dim a multiple of 16): 64 columns
+ * at a time where the build has AVX-512, then 16; the order of each output's sum is the
+ * same whatever the width, so results do not depend on the build. */
 static void map_rows(const float *x, int64_t x_stride, const float *m, float *dst,
                      int64_t dst_stride, int64_t dim, int rows) {
   int64_t j0 = 0;
-  for (; j0 + MAP_WIDE <= dim; j0 += MAP_WIDE) MAP_BLOCK(map_wide);
-  for (; j0 < dim; j0 += 16) MAP_BLOCK(map_block, 16);
+#if defined(__AVX512F__)
+  for (; j0 + 64 <= dim; j0 += 64) MAP_BLOCK(map_block64);
+#endif
+  for (; j0 < dim; j0 += 16) MAP_BLOCK(map_block);
 }
 
 /* INT8 KV store: each token's key (value) row of each KV head turned by the layer's folded
