@@ -27,12 +27,24 @@ from brook_engine.layers.attention import _decode_attention
 KINDS: list[KVDType] = ["auto", "fp16", "bf16", "fp8_e5m2", "fp8_e4m3", "int8"]
 
 
+# The AVX2 build (BROOK_CPU_ISA=avx2) runs only where the CPU has what it is built for.
+AVX2_BUILD = pytest.mark.skipif(
+    platform.machine() != "x86_64" or not {"avx2", "fma", "f16c"} <= cpu_features(),
+    reason="the AVX2 build needs an x86-64 CPU with AVX2, FMA and F16C",
+)
+
+
+def _forget_kernel(monkeypatch: pytest.MonkeyPatch, cache: Path) -> None:
+    """The kernel loader as if this process had not loaded it yet, building into cache."""
+    monkeypatch.setenv("BROOK_KERNEL_CACHE", str(cache))
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "_library", None)
+
+
 @pytest.fixture
 def fresh_kernel(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
     """The kernel loader as if this process had not loaded it yet, building into tmp_path."""
-    monkeypatch.setenv("BROOK_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_kernels, "_tried", False)
-    monkeypatch.setattr(cpu_kernels, "_library", None)
+    _forget_kernel(monkeypatch, tmp_path)
     yield
 
 
@@ -110,10 +122,7 @@ def _assert_kernel_matches(
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the kernel cannot build")
-@pytest.mark.skipif(
-    platform.machine() != "x86_64" or not {"avx2", "fma", "f16c"} <= cpu_features(),
-    reason="the AVX2 build needs an x86-64 CPU with AVX2, FMA and F16C",
-)
+@AVX2_BUILD
 def test_the_avx2_build_of_the_decode_kernel_matches_the_portable_path(
     monkeypatch: pytest.MonkeyPatch, fresh_kernel: None
 ) -> None:
@@ -129,10 +138,7 @@ def test_the_avx2_build_of_the_decode_kernel_matches_the_portable_path(
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the kernel cannot build")
-@pytest.mark.skipif(
-    platform.machine() != "x86_64" or not {"avx2", "fma", "f16c"} <= cpu_features(),
-    reason="the AVX2 build needs an x86-64 CPU with AVX2, FMA and F16C",
-)
+@AVX2_BUILD
 def test_the_int8_head_map_gives_the_same_bits_in_every_build(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -167,9 +173,7 @@ def test_the_int8_head_map_gives_the_same_bits_in_every_build(
     builds = []
     for isa in ("native", "avx2"):
         monkeypatch.setenv("BROOK_CPU_ISA", isa)
-        monkeypatch.setenv("BROOK_KERNEL_CACHE", str(tmp_path / isa))
-        monkeypatch.setattr(cpu_kernels, "_tried", False)
-        monkeypatch.setattr(cpu_kernels, "_library", None)
+        _forget_kernel(monkeypatch, tmp_path / isa)
         builds.append(mapped())
     for (x, matrix, offset), native, avx2 in zip(cases, *builds, strict=True):
         assert torch.equal(native, avx2), f"head size {x.shape[2]}"
